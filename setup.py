@@ -1,0 +1,26 @@
+"""Terra: imperative-symbolic co-execution for TensorFlow 2 training loops.
+
+TensorFlow itself is an extra (``cpu`` -> ``tensorflow-cpu``, ``gpu`` -> ``tensorflow``)
+so that installing Terra never pulls a second TensorFlow next to the one you have.
+"""
+
+from setuptools import find_packages, setup
+
+TF = "2.21.*"
+
+setup(
+    name="terra",
+    version="0.1.0",
+    description="Run imperative TensorFlow training loops at symbolic-graph speed",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["terra", "terra.*", "benchmarks", "benchmarks.*"]),
+    install_requires=["numpy", "gast>=0.5"],
+    extras_require={
+        "cpu": [f"tensorflow-cpu=={TF}"],
+        "gpu": [f"tensorflow=={TF}"],
+        "bench": ["scikit-learn", "matplotlib"],
+        "test": ["pytest", "ruff", "scikit-learn"],
+    },
+)

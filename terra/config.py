@@ -1,0 +1,56 @@
+"""Every Terra switch, read in one place.
+
+Each switch has an environment variable (read when Terra is imported or reset) and a keyword
+of :func:`terra.configure`. Keeping them here means a test or a benchmark can flip a mode
+without knowing which module consults it.
+"""
+
+import dataclasses
+import os
+
+
+def _env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+@dataclasses.dataclass
+class Config:
+    """Terra's switches.
+
+    Attributes:
+      disable: ``TerraGradientTape`` behaves exactly like ``tf.GradientTape`` (``TERRA_DISABLE``).
+      xla: compile the pure-compute parts of the symbolic graph with XLA (``TERRA_XLA``).
+      lazy: serialize the two runners: the graph of an iteration starts only when Python
+        needs one of its values or the iteration ends (``TERRA_LAZY``; the paper's LazyEval).
+      check: run ``TraceGraph.lint()`` after every merge (``TERRA_CHECK``).
+      timeout: seconds any wait between the runners may take before it raises
+        (``TERRA_TIMEOUT``).
+      warmup: iterations run eagerly before tracing starts; Keras creates optimizer slot
+        variables during the first step, so that step is never traced.
+      max_trace_ops: a trace longer than this is abandoned and the iteration runs eagerly
+        (ops after the training loop belong to the last iteration; this bounds their cost).
+    """
+
+    disable: bool = False
+    xla: bool = False
+    lazy: bool = False
+    check: bool = False
+    timeout: float = 120.0
+    warmup: int = 1
+    max_trace_ops: int = 200_000
+
+    @classmethod
+    def from_env(cls) -> "Config":
+        return cls(
+            disable=_env_flag("TERRA_DISABLE"),
+            xla=_env_flag("TERRA_XLA"),
+            lazy=_env_flag("TERRA_LAZY"),
+            check=_env_flag("TERRA_CHECK"),
+            timeout=float(os.environ.get("TERRA_TIMEOUT", "120")),
+        )
+
+
+config = Config.from_env()

@@ -1,0 +1,6 @@
+"""Placeholder tape (being written)."""
+import tensorflow as tf
+
+
+class TerraGradientTape(tf.GradientTape):
+    pass
