@@ -1,34 +1,433 @@
-"""Placeholder runtime (being written)."""
+"""The runtime: iterations, phases, and the hand-offs between the stages.
+
+An iteration starts when an outermost Terra tape is entered and ends when the next one is.
+Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first step),
+``tracing`` (eager + Recorder until a trace adds nothing to the TraceGraph), ``coexecution``
+(PythonRunner + GraphRunner), and ``eager`` when the TraceGraph cannot be co-executed
+(``explain()`` says why). A fallback returns from co-execution to tracing mid-iteration.
+"""
+
 import dataclasses
 
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import resource_variable_ops
+
+from terra import fallback as fallback_lib
+from terra import interception, materialize
 from terra.config import config
+from terra.graph_builder import generate
+from terra.graph_runner import GraphRunner, Job, Watchdog
+from terra.location import user_location
+from terra.python_runner import GraphFailed, Iteration, Mismatch, PythonRunner
+from terra.trace import Recorder
+from terra.tracegraph import TraceGraph
+
+_EagerTensor = ops.EagerTensor
+_Variable = resource_variable_ops.BaseResourceVariable
 
 
 @dataclasses.dataclass
 class Stats:
+    """Counters of the current runtime (``terra.stats()``)."""
+
     iterations: int = 0
     traces: int = 0
     fallbacks: int = 0
     graph_generations: int = 0
-    phase: str = "tracing"
+    coexecuted: int = 0
+    phase: str = "warmup"
+    python_stall: float = 0.0  # seconds the PythonRunner waited for the graph
+    graph_exec: float = 0.0  # seconds the GraphRunner spent in graph calls
+    graph_idle: float = 0.0  # seconds the GraphRunner waited for the next iteration
 
 
-_stats = Stats()
+# One hook table for the process: stand-ins handed out by any runtime must keep resolving.
+_tensors: dict = {}
+_original_numpy = None
 
 
-def stats():
-    return dataclasses.replace(_stats)
+def _resolve(t):
+    return _tensors[t._id].numpy(t)
+
+
+class TracingDoor:
+    """Handler while ops run for real: makes variable reads explicit (the C fast path reads
+    variable arguments without telling anyone) and swaps known stand-ins for their values."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def _arg(self, a):
+        if type(a) is _EagerTensor:
+            e = _tensors.get(a._id)
+            return a if e is None or not hasattr(e, "runner") else self.runtime.value(e)
+        if isinstance(a, _Variable):
+            return a.value()
+        if isinstance(a, (list, tuple)) and _tensors:
+            return type(a)(self._arg(x) for x in a)
+        return a
+
+    def fast(self, ctx, op_type, name, args):
+        return interception.ORIGINAL_FAST(ctx, op_type, name, *[self._arg(a) for a in args])
+
+    def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
+        return interception.ORIGINAL_SLOW(op_type, num_outputs, [self._arg(a) for a in inputs],
+                                          attrs, ctx, name)
+
+
+class CoexecDoor:
+    """Handler during co-execution: the PythonRunner, with fallback on any mismatch."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def fast(self, ctx, op_type, name, args):
+        rt = self.runtime
+        try:
+            return rt.runner.fast(ctx, op_type, name, args)
+        except (Mismatch, GraphFailed) as m:
+            rt.leave(m)
+        return rt.tracing_door.fast(ctx, op_type, name, args)
+
+    def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
+        rt = self.runtime
+        try:
+            return rt.runner.slow(op_type, num_outputs, inputs, attrs, ctx, name)
+        except (Mismatch, GraphFailed) as m:
+            rt.leave(m)
+        return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
+
+
+class Runtime:
+    def __init__(self):
+        global _original_numpy
+        self.stats = Stats()
+        self.tracegraph = TraceGraph()
+        self.open_tapes = []
+        self.recorder = None
+        self.runner = None
+        self.graph = None
+        self.graph_index = 0
+        self.unsupported = None
+        self.events = []  # fallbacks and other notes for explain()
+        self.jobs = []  # in-flight jobs, oldest first
+        self.ctx = context.context()
+        self._graph_runner = None
+        self._watchdog = None
+        self.tracing_door = TracingDoor(self)
+        self.coexec_door = CoexecDoor(self)
+        if _original_numpy is None:
+            _original_numpy = ops._EagerTensorBase._numpy
+        materialize.install(_tensors, _resolve)
+        interception.install()
+        interception.set_handler(self.tracing_door)
+
+    @property
+    def phase(self):
+        return self.stats.phase
+
+    @phase.setter
+    def phase(self, value):
+        self.stats.phase = value
+
+    @property
+    def graph_runner(self):
+        if self._graph_runner is None:
+            self._graph_runner = GraphRunner(self._graph_error)
+            self._watchdog = Watchdog()
+        return self._graph_runner
+
+    # -- iterations -----------------------------------------------------------------------
+    def tape_enter(self, tape):
+        if not self.open_tapes:
+            self._end_iteration()
+            self._begin_iteration()
+        self.open_tapes.append(tape)
+        attrs = tape.mark_attrs
+        if self.phase == "coexecution" and self._coexec(
+                lambda: self.runner.mark("enter", attrs, (), tape)):
+            return
+        tape.enter_real()
+        if self.phase == "tracing":
+            self.recorder.mark("enter", attrs)
+
+    def tape_exit(self, tape, failed):
+        if self.phase == "coexecution" and failed:
+            self.leave(Mismatch("exception raised by user code"))
+            self.recorder.aborted = True
+        if not (self.phase == "coexecution" and self._coexec(
+                lambda: self.runner.mark("exit", tape.mark_attrs, (), tape))):
+            tape.exit_real()
+            if self.phase == "tracing":
+                self.recorder.mark("exit", tape.mark_attrs)
+        self.open_tapes.remove(tape)
+
+    def tape_watch(self, tape, tensors):
+        if self.phase == "coexecution" and self._coexec(
+                lambda: self.runner.mark("watch", tape.mark_attrs, tensors, tape)):
+            return
+        tensors = [self.tracing_door._arg(t) for t in tensors]
+        tape.real.watch(tensors)
+        if self.phase == "tracing":
+            self.recorder.mark("watch", tape.mark_attrs, tensors)
+
+    def tape_gradient(self, tape, target, sources, output_gradients, unconnected):
+        from tensorflow.python.util import nest
+
+        flat_sources = nest.flatten(sources)
+        attrs = (tape.mark_attrs, len(nest.flatten(target)), len(flat_sources),
+                 output_gradients is None, str(unconnected))
+        if self.phase == "coexecution":
+            tensors = grad_tensors(target, sources, output_gradients)
+            extra = (tape, target, sources, output_gradients, unconnected)
+            flat = self._coexec(lambda: self.runner.gradient(attrs, tensors, extra))
+            if flat is not None:
+                return nest.pack_sequence_as(sources, flat)
+        if self.phase != "tracing":
+            return tape.real.gradient(*map(self._swap_all, (target, sources, output_gradients)),
+                                      unconnected_gradients=unconnected)
+        return tape.traced_gradient(self._swap_all(target), sources,
+                                    self._swap_all(output_gradients), unconnected,
+                                    user_location(), attrs)
+
+    def _swap_all(self, structure):
+        from tensorflow.python.util import nest
+
+        return nest.map_structure(
+            lambda x: self.tracing_door._arg(x) if type(x) is _EagerTensor else x, structure)
+
+    def _begin_iteration(self):
+        s = self.stats
+        s.iterations += 1
+        if self.phase == "warmup" and s.iterations > config.warmup:
+            self.phase = "tracing"
+        if self.phase == "tracing":
+            self._start_recording()
+        elif self.phase == "coexecution":
+            self._throttle()
+            job = Job(self.graph)
+            it = Iteration(self.graph_index, job)
+            self.graph_index += 1
+            self.jobs.append(job)
+            self.graph_runner.submit(job)
+            self.runner.begin(it)
+            interception.set_handler(self.coexec_door)
+
+    def _end_iteration(self):
+        if self.phase == "coexecution" and self.runner.it is not None:
+            if not self.runner.at_end():
+                self.leave(Mismatch("the iteration ended before the recorded one did"))
+            else:
+                self.runner.it.done_path = True
+                uncovered = self.runner.finish()
+                if uncovered:  # the replay gives every one of them its value
+                    self.leave(Mismatch("a tensor outlived its iteration but the graph does "
+                                        "not return it"))
+                else:
+                    self.stats.coexecuted += 1
+                    self.runner.it = None
+        if self.phase == "tracing" and self.recorder is not None:
+            self._finish_trace()
+
+    def _start_recording(self):
+        self.recorder = Recorder(_tensors, _original_numpy)
+        self.recorder.aborted = False
+        self.ctx.add_op_callback(self.recorder.callback)
+        interception.set_handler(self.tracing_door)
+
+    def _finish_trace(self):
+        rec = self.recorder
+        self.recorder = None
+        self.ctx.remove_op_callback(rec.callback)
+        rec.finish()
+        if rec.creates_state or rec.aborted or not rec.records:
+            return
+        if not rec.skippable:
+            self._give_up("a gradient region contains ops that must run in Python")
+            return
+        if len(rec.records) > config.max_trace_ops:
+            return
+        covered, path = self.tracegraph.merge(rec.records)
+        self.stats.traces += 1
+        if config.check:
+            self.tracegraph.lint()
+        if covered:
+            self._generate(path)
+
+    def _generate(self, path):
+        try:
+            with interception.paused():
+                self.graph = generate(path)
+        except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
+            self._give_up(f"graph generation failed: {type(e).__name__}: {e}")
+            return
+        self.stats.graph_generations += 1
+        self.graph_runner  # noqa: B018 - starts the GraphRunner and watchdog threads
+        self.runner = PythonRunner(self.graph, _tensors, _original_numpy, self._watchdog,
+                                   config.timeout, self._fallback_from_runner)
+        self.graph_index = 0
+        self.phase = "coexecution"
+
+    def _give_up(self, reason):
+        self.unsupported = reason
+        self.events.append(("eager", reason, None))
+        self.phase = "eager"
+
+    def _throttle(self):
+        """Keep at most one finished-in-Python iteration ahead of the graph."""
+        while len(self.jobs) > 1:
+            job = self.jobs.pop(0)
+            if not job.done.wait(config.timeout):
+                raise TimeoutError("Terra: the graph did not finish an iteration in time")
+            if job.error is not None and not job.cancelled:
+                self._raise_graph_error(job)
+
+    # -- leaving co-execution -------------------------------------------------------------
+    def _coexec(self, fn):
+        """Run a PythonRunner step; on mismatch fall back and return None."""
+        try:
+            result = fn()
+            return True if result is None else result
+        except (Mismatch, GraphFailed) as m:
+            self.leave(m)
+            return None
+
+    def _fallback_from_runner(self, reason):
+        self.leave(Mismatch(reason))
+
+    def leave(self, why):
+        """Fallback (paper §3.2.1): cancel, restore, replay the matched prefix, trace on."""
+        runner = self.runner
+        it = runner.it
+        job = it.job
+        self.graph_runner.cancel(job)
+        fallback_lib.restore(job, config.timeout)
+        self.stats.fallbacks += 1
+        reason = why.reason if isinstance(why, Mismatch) else f"graph error: {why}"
+        self.events.append(("fallback", reason, user_location()))
+        runner.it = None
+        self.jobs = []
+        self.graph = None
+        self.phase = "tracing"
+        self._start_recording()
+        fallback_lib.replay(it.log, self.recorder)
+        if isinstance(why, GraphFailed):
+            self._raise_graph_error(why.job)
+
+    def _graph_error(self, job):
+        # Called in the GraphRunner thread: unblock a PythonRunner waiting on a fetch.
+        if self.runner is not None:
+            self.runner.wait_cm.start_cancel()
+
+    def _raise_graph_error(self, job):
+        err = job.error
+        raise type(err)(getattr(err, "node_def", None), getattr(err, "op", None),
+                        f"{err.message} (raised by the graph Terra ran for your loop)") \
+            if hasattr(err, "message") else err
+
+    def value(self, entry):
+        try:
+            return entry.runner.value_of(entry)
+        except GraphFailed as g:
+            self.leave(g)
+            return entry.value
+
+    # -- stats / reset ------------------------------------------------------------------
+    def snapshot_stats(self):
+        s = dataclasses.replace(self.stats)
+        if self.runner is not None:
+            s.python_stall = self.runner.stall_time
+        if self._graph_runner is not None:
+            s.graph_exec = self._graph_runner.busy_time
+            s.graph_idle = self._graph_runner.idle_time
+        return s
+
+    def shutdown(self):
+        """Finish pending graph work so variables hold their final values."""
+        for job in self.jobs:
+            job.done.wait(config.timeout)
+        if self.phase == "coexecution" and self.runner.it is not None:
+            if not self.runner.at_end():
+                self.leave(Mismatch("terra.reset() in the middle of an iteration"))
+            else:
+                self.runner.it.done_path = True
+                self.runner.it.job.done.wait(config.timeout)
+        if self.recorder is not None:
+            self.ctx.remove_op_callback(self.recorder.callback)
+        if self._graph_runner is not None:
+            self._graph_runner.stop()
+        interception.set_handler(self.tracing_door if _tensors else None)
+
+
+def grad_tensors(target, sources, output_gradients):
+    """The tensors a gradient call depends on, as validated inputs: targets, sources (a
+    variable as its handle) and output gradients."""
+    from tensorflow.python.util import nest
+
+    flat = nest.flatten(target) + nest.flatten(sources)
+    if output_gradients is not None:
+        flat += nest.flatten(output_gradients)
+    return [_handle_or_self(x) for x in flat]
+
+
+def _handle_or_self(x):
+    if isinstance(x, _Variable) or hasattr(x, "_should_act_as_resource_variable"):
+        return x.handle
+    return x
+
+
+_runtime = None
+
+
+def get() -> Runtime:
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime()
+    return _runtime
+
+
+def stats() -> Stats:
+    """Counters: iterations, traces, fallbacks, graph_generations, coexecuted, phase, and the
+    time breakdown of the two runners (seconds)."""
+    return _runtime.snapshot_stats() if _runtime is not None else Stats()
 
 
 def reset():
-    global _stats
-    _stats = Stats()
+    """Forget the TraceGraph, the graph and the counters; the next tape starts afresh."""
+    global _runtime
+    if _runtime is not None:
+        _runtime.shutdown()
+    _runtime = None
 
 
-def explain():
-    return ""
+def configure(**switches):
+    """Set switches (see :class:`terra.config.Config`), e.g. ``configure(lazy=True)``."""
+    for name, value in switches.items():
+        if not hasattr(config, name):
+            raise TypeError(f"unknown Terra switch {name!r}")
+        setattr(config, name, value)
 
 
-def configure(**kwargs):
-    for k, v in kwargs.items():
-        setattr(config, k, v)
+def explain() -> str:
+    """A human-readable report: the TraceGraph, the phase, and every fallback."""
+    rt = _runtime
+    if rt is None:
+        return "Terra has not run yet."
+    s = rt.snapshot_stats()
+    lines = [f"Terra: {s.iterations} iterations, {s.traces} traces, {s.fallbacks} fallbacks, "
+             f"{s.graph_generations} graph generations, {s.coexecuted} co-executed; "
+             f"phase {s.phase}"]
+    if rt.unsupported:
+        lines.append(f"running eagerly because {rt.unsupported}")
+    for what, reason, loc in rt.events:
+        where = f" at {loc.file}:{loc.line}" if loc else ""
+        lines.append(f"{what}{where}: {reason}")
+    lines.append(f"TraceGraph ({len(rt.tracegraph.nodes) - 2} nodes, "
+                 f"{len(rt.tracegraph.branch_points)} branch points):")
+    lines.append(str(rt.tracegraph))
+    if rt.graph is not None:
+        lines.append(str(rt.graph))
+    return "\n".join(lines)
+
+

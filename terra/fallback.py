@@ -1,0 +1,110 @@
+"""Fallback: leave co-execution mid-iteration with exactly the state eager would have.
+
+Cancel the GraphRunner's job, restore the variables the graph writes from the snapshot taken
+at the start of the iteration, then replay the matched prefix eagerly through the recording
+callback: graph ops are executed (and recorded on any open tape), ops the PythonRunner ran
+for real are only recorded (re-running them would repeat their side effects), tape marks
+re-enter the real tapes, and gradient calls run the real ``tape.gradient``. Every stand-in
+handed to Python gets its real value.
+"""
+
+from tensorflow.python.eager import context, execute
+from tensorflow.python.util import nest
+
+from terra.tracegraph import NodeKind
+
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+
+
+def restore(job, timeout):
+    """Wait for ``job`` to stop and put back the variables it may have written."""
+    if not job.done.wait(timeout):
+        raise TimeoutError("Terra: the graph did not stop within the timeout after cancel")
+    if job.snapshot is None:
+        return
+    ctx = context.context()
+    for (handle, dtype), value in zip(job.graph.written, job.snapshot):
+        execute.quick_execute("AssignVariableOp", 0, [handle, value],
+                              ("dtype", dtype, "validate_shape", False), ctx)
+
+
+def _flat_attrs(attrs):
+    flat = []
+    for name, value in attrs:
+        flat.extend((name, list(value) if isinstance(value, tuple) else value))
+    return tuple(flat)
+
+
+def replay(log, recorder):
+    """Re-execute a co-executed prefix eagerly, recording it into ``recorder``."""
+    ctx = context.context()
+    tapes = []  # Terra tapes the replay has re-entered, innermost last
+
+    def real(x):
+        if x is None:
+            return None
+        return x.value if hasattr(x, "step") else x
+
+    for step, inputs, outs, extra in log:
+        node = step.node
+        recorder.location_override = node.location
+        try:
+            if step.kind is NodeKind.MARK:
+                _replay_mark(step, [real(x) for x in inputs], extra, recorder)
+                if step.op_type == "enter":
+                    tapes.append(extra)
+                elif step.op_type == "exit":
+                    tapes.remove(extra)
+            elif step.kind is NodeKind.GRAD:
+                _replay_grad(step, outs, extra, recorder)
+            elif step.python:
+                recorder.record_op(node.op_type, [_tensor(real(x), s) for x, s in
+                                                  zip(inputs, step.slots)],
+                                   _flat_attrs(node.attrs), outs, node.location)
+            else:
+                args = [_tensor(real(x), s) for x, s in zip(inputs, step.slots)]
+                if node.op_type in _READS:
+                    for tape in tapes:
+                        if tape.watch_accessed_variables and tape.real is not None:
+                            tape.real.watch(args[0])
+                attrs = _flat_attrs(node.attrs)
+                results = execute.execute_with_callbacks(
+                    node.op_type, len(node.out_specs), args, attrs, ctx)
+                if execute.must_record_gradient():
+                    execute.record_gradient(node.op_type, args, attrs, results)
+                for entry, r in zip(outs, results):
+                    entry.value = r
+        finally:
+            recorder.location_override = None
+
+
+def _tensor(x, slot):
+    from tensorflow.python.framework import constant_op, dtypes
+
+    if x is None or hasattr(x, "_id"):
+        return x
+    return constant_op.constant(x, dtype=dtypes.as_dtype(slot.dtype))
+
+
+def _replay_mark(step, tensors, extra, recorder):
+    tape = extra
+    if step.op_type == "enter":
+        tape.enter_real()
+    elif step.op_type == "exit":
+        tape.exit_real()
+    else:
+        tape.real.watch(tensors)
+    recorder.mark(step.op_type, step.attrs, tensors, step.node.location)
+
+
+def _replay_grad(step, entries, extra, recorder):
+    tape, target, sources, output_gradients, unconnected = extra
+    resolve = recorder.swap
+    result = tape.traced_gradient(nest.map_structure(resolve, target), sources,
+                                  nest.map_structure(resolve, output_gradients), unconnected,
+                                  step.node.location)
+    values = [x for g in nest.flatten(result) if g is not None
+              for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))
+              if x is not None]
+    for entry, value in zip(entries, values):
+        entry.value = value

@@ -1,0 +1,116 @@
+"""GraphRunner: executes the symbolic graph, one call per iteration, in its own thread.
+
+Each iteration is a :class:`Job` with its own ``CancellationManager``; the function is called
+with ``execute_with_cancellation`` from this thread (``get_cancelable_function`` sets a
+module-global context and is not thread-safe). Before the call the runner snapshots the
+variables the graph writes (reads alias the buffers; TF copies on write), which is what a
+fallback restores. Jobs run strictly in order, so the snapshot of job *i* is the state at the
+start of iteration *i*.
+"""
+
+import queue
+import threading
+import time
+
+from tensorflow.python.eager import cancellation, context, execute
+
+
+class Job:
+    __slots__ = ("graph", "cm", "done", "outputs", "error", "snapshot", "cancelled",
+                 "started", "exec_time")
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.cm = cancellation.CancellationManager()
+        self.done = threading.Event()
+        self.outputs = self.error = self.snapshot = None
+        self.cancelled = self.started = False
+        self.exec_time = 0.0
+
+
+class GraphRunner:
+    def __init__(self, on_error):
+        self._jobs = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._on_error = on_error  # called from this thread when a job fails on its own
+        self.busy_time = 0.0
+        self.idle_time = 0.0
+        self._thread = threading.Thread(target=self._loop, name="terra-graph-runner",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job):
+        self._jobs.put(job)
+
+    def cancel(self, job: Job):
+        with self._lock:
+            job.cancelled = True
+            if job.started:
+                job.cm.start_cancel()
+
+    def stop(self):
+        self._jobs.put(None)
+
+    def _loop(self):
+        ctx = context.context()
+        while True:
+            t0 = time.perf_counter()
+            job = self._jobs.get()
+            self.idle_time += time.perf_counter() - t0
+            if job is None:
+                return
+            with self._lock:
+                job.started = not job.cancelled
+            if job.started:
+                self._run(job, ctx)
+            job.done.set()
+
+    def _run(self, job, ctx):
+        g = job.graph
+        t0 = time.perf_counter()
+        try:
+            if g.snapshot_fn is not None:
+                job.snapshot = g.snapshot_fn()
+            outputs = execute.execute_with_cancellation(
+                g.fn_name, g.n_outputs, g.captures, g.call_attrs, ctx, job.cm)
+            job.outputs = outputs or []
+        except Exception as e:  # noqa: BLE001 - every failure is handed to the PythonRunner
+            job.error = e
+            if not job.cancelled:
+                self._on_error(job)
+        job.exec_time = time.perf_counter() - t0
+        self.busy_time += job.exec_time
+
+
+class Watchdog:
+    """One thread that cancels a blocking wait when it exceeds its deadline."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._deadline = None
+        self._cm = None
+        self.fired = False
+        threading.Thread(target=self._loop, name="terra-watchdog", daemon=True).start()
+
+    def arm(self, cm, timeout):
+        with self._cond:
+            self._cm, self._deadline, self.fired = cm, time.monotonic() + timeout, False
+            self._cond.notify()
+
+    def disarm(self):
+        with self._cond:
+            self._deadline = None
+
+    def _loop(self):
+        with self._cond:
+            while True:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                remaining = self._deadline - time.monotonic()
+                if remaining > 0:
+                    self._cond.wait(remaining)
+                    continue
+                self.fired = True
+                self._deadline = None
+                self._cm.start_cancel()

@@ -1,0 +1,70 @@
+"""The two Python-visible doors every eager op passes through (DESIGN.md §3).
+
+``pywrap_tfe.TFE_Py_FastPathExecute`` (generated op wrappers) and ``execute.execute`` (their
+slow-path fallbacks and function calls) are module attributes looked up at call time, so
+wrapping them sees every op except C++-internal constant conversion. While a handler is set,
+ops issued by the owning thread go to it; everything else (other threads, Terra's own queue
+ops, which call ``quick_execute`` directly) passes straight through.
+
+The op callback used for recording is added on the context directly rather than with
+``op_callbacks.add_op_callback``, which would rebind ``execute.execute`` over our wrapper;
+the slow door therefore hands off to ``execute_with_callbacks``.
+"""
+
+import contextlib
+import threading
+
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import execute
+
+ORIGINAL_FAST = pywrap_tfe.TFE_Py_FastPathExecute
+ORIGINAL_SLOW = execute.execute_with_callbacks
+
+_handler = None
+_owner = None
+_get_ident = threading.get_ident
+
+
+def _fast(ctx, op_type, name, *args):
+    h = _handler
+    if h is None or _get_ident() != _owner:
+        return ORIGINAL_FAST(ctx, op_type, name, *args)
+    return h.fast(ctx, op_type, name, args)
+
+
+def _slow(op_type, num_outputs, inputs, attrs, ctx, name=None):
+    h = _handler
+    if h is None or _get_ident() != _owner:
+        return ORIGINAL_SLOW(op_type, num_outputs, inputs, attrs, ctx, name)
+    return h.slow(op_type, num_outputs, inputs, attrs, ctx, name)
+
+
+def install():
+    pywrap_tfe.TFE_Py_FastPathExecute = _fast
+    execute.execute = _slow
+
+
+def uninstall():
+    global _handler
+    _handler = None
+    pywrap_tfe.TFE_Py_FastPathExecute = ORIGINAL_FAST
+    execute.execute = execute.quick_execute
+
+
+def set_handler(handler):
+    """Route the calling thread's ops to ``handler`` (``None`` restores plain eager)."""
+    global _handler, _owner
+    _owner = _get_ident()
+    _handler = handler
+
+
+@contextlib.contextmanager
+def paused():
+    """Run Terra's own eager work (graph building, snapshots) without interception."""
+    global _handler
+    saved = _handler
+    _handler = None
+    try:
+        yield
+    finally:
+        _handler = saved

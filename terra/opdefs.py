@@ -1,0 +1,145 @@
+"""What Terra needs to know about an op type, read once from its OpDef and cached.
+
+Three consumers: the recorder normalizes attrs into hashable keys, the PythonRunner splits
+fast-path arguments into inputs and attrs, and the graph builder turns recorded attrs back
+into ``AttrValue`` protos. Keeping the OpDef parsing here keeps those three consistent.
+"""
+
+import functools
+
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import dtypes, op_def_registry, tensor_shape, tensor_util
+
+# Stateful ops that act on variables stay in the symbolic graph (paper §3.3.1): automatic
+# control dependencies order them per resource, and the iteration-start snapshot makes
+# re-execution after a fallback safe.
+_VARIABLE_OPS = frozenset({
+    "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
+    "ResourceGather", "ResourceGatherNd", "VariableShape", "RngReadAndSkip",
+    "RngSkip", "ResourceStridedSliceAssign",
+})
+_VARIABLE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
+
+# Stateful ops whose state is harmless to keep in the graph: they are deterministic
+# functions of their inputs (the statefulness marks side-effect ordering only).
+_PURE_STATEFUL_OPS = frozenset({"Assert", "CheckNumerics", "CheckNumericsV2"})
+
+# Ops that create state: an iteration that runs one is a warm-up iteration, never a trace.
+CREATION_OPS = frozenset({"VarHandleOp", "AnonymousSeedGenerator", "HashTableV2",
+                          "MutableHashTableV2", "MutableDenseHashTableV2"})
+
+# Stateful random ops get a fresh seed2 per call under a global seed; it is not part of what
+# an op *is* (DESIGN.md §3), and these ops run in Python anyway.
+_IGNORED_KEY_ATTRS = frozenset({"seed2"})
+
+
+class OpInfo:
+    """Cached facts about one op type."""
+
+    __slots__ = ("name", "op_def", "n_inputs", "list_inputs", "attr_types", "in_graph",
+                 "out_number_attrs")
+
+    def __init__(self, name, op_def):
+        self.name = name
+        self.op_def = op_def
+        if op_def is None:  # a function call: its op type is the function's name
+            self.n_inputs = None
+            self.list_inputs = ()
+            self.attr_types = {}
+            self.in_graph = False
+            return
+        args = op_def.input_arg
+        self.n_inputs = len(args)
+        self.list_inputs = tuple(bool(a.number_attr or a.type_list_attr) for a in args)
+        self.attr_types = {a.name: a.type for a in op_def.attr}
+        self.in_graph = (not op_def.is_stateful or name in _VARIABLE_OPS
+                         or name.startswith(_VARIABLE_PREFIXES) or name in _PURE_STATEFUL_OPS)
+
+
+@functools.cache
+def info(op_type: str) -> OpInfo:
+    return OpInfo(op_type, op_def_registry.get(op_type))
+
+
+def op_name(op_type) -> str:
+    """Eager entry points pass op types as str or bytes; Terra always uses str."""
+    return op_type.decode() if isinstance(op_type, bytes) else op_type
+
+
+def _norm(kind: str, value):
+    if kind.startswith("list("):
+        inner = kind[5:-1]
+        return tuple(_norm(inner, v) for v in value)
+    if kind == "type":
+        return value if isinstance(value, int) else dtypes.as_dtype(value).as_datatype_enum
+    if kind == "string":
+        return value.encode() if isinstance(value, str) else bytes(value)
+    if kind == "shape":
+        shape = tensor_shape.as_shape(value)
+        return None if shape.rank is None else tuple(shape.as_list())
+    if kind == "func":
+        return value if isinstance(value, str) else getattr(value, "name", str(value))
+    if kind == "tensor":
+        return tensor_util.make_tensor_proto(value).SerializeToString()
+    if kind == "float":
+        return float(value)
+    if kind == "int":
+        return int(value)
+    return value
+
+
+def normalize_attrs(op_type: str, flat) -> tuple:
+    """Flat ``(name, value, ...)`` eager attrs -> sorted hashable ``((name, value), ...)``."""
+    if not flat:
+        return ()
+    types = info(op_type).attr_types
+    pairs = []
+    for i in range(0, len(flat), 2):
+        name = op_name(flat[i])
+        kind = types.get(name)
+        pairs.append((name, _norm(kind, flat[i + 1]) if kind else flat[i + 1]))
+    pairs.sort()
+    return tuple(pairs)
+
+
+def key_attrs(attrs: tuple) -> tuple:
+    """The attrs that identify an op for matching (drops per-call seeds)."""
+    return tuple(p for p in attrs
+                 if not (isinstance(p, tuple) and p and p[0] in _IGNORED_KEY_ATTRS))
+
+
+def attr_value(kind: str, value) -> attr_value_pb2.AttrValue:
+    """A normalized attr value -> AttrValue proto for ``Graph.create_op``."""
+    a = attr_value_pb2.AttrValue()
+    if kind.startswith("list("):
+        inner = kind[5:-1]
+        field = {"type": "type", "int": "i", "float": "f", "bool": "b", "string": "s",
+                 "shape": "shape"}[inner]
+        lst = getattr(a.list, field)
+        for v in value:
+            if inner == "shape":
+                lst.add().CopyFrom(tensor_shape.TensorShape(v).as_proto())
+            else:
+                lst.append(v)
+        if not value:
+            a.list.SetInParent()
+        return a
+    if kind == "type":
+        a.type = value
+    elif kind == "int":
+        a.i = value
+    elif kind == "float":
+        a.f = value
+    elif kind == "bool":
+        a.b = value
+    elif kind == "string":
+        a.s = value
+    elif kind == "shape":
+        a.shape.CopyFrom(tensor_shape.TensorShape(value).as_proto())
+    elif kind == "tensor":
+        a.tensor.ParseFromString(value)
+    elif kind == "func":
+        a.func.name = value
+    else:
+        raise TypeError(f"unsupported attr kind {kind!r}")
+    return a

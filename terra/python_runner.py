@@ -1,0 +1,472 @@
+"""PythonRunner: the skeleton side of co-execution (paper §3.2.1).
+
+The user's Python runs unchanged; each TF op it issues arrives here instead of executing.
+The op is validated against the next step of the plan (op type, attrs, and for every input
+its producer node and output, its variable, or its constant value, or its dtype and shape if
+it is fed), external values are fed, and the op returns *stand-ins*: real EagerTensors that
+share a dummy buffer. Stand-ins know only which node output they are (a hook-table entry);
+when Python materializes one, the value is fetched from the graph.
+
+Any difference raises :class:`Mismatch`; the runtime then falls back (``terra.fallback``).
+Ops that must not run in the graph (stateful, non-variable: random ops, iterators, py
+functions) run here for real and their outputs are fed.
+"""
+
+import sys
+import time
+
+import numpy as np
+from tensorflow.python.eager import cancellation, context
+from tensorflow.python.framework import constant_op, dtypes, ops
+from tensorflow.python.ops import resource_variable_ops
+
+from terra import opdefs
+from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
+from terra.tracegraph import NodeKind
+
+_EagerTensor = ops.EagerTensor
+_Variable = resource_variable_ops.BaseResourceVariable
+_PLAIN = (int, float, bool, complex, np.ndarray, np.generic, str, bytes)
+
+
+class Mismatch(Exception):
+    """The iteration left the path the graph was built for."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class IterationAborted(RuntimeError):
+    """A value was asked of an iteration whose graph work was discarded."""
+
+
+class Iteration:
+    __slots__ = ("index", "job", "log", "entries", "done_path", "fed")
+
+    def __init__(self, index, job):
+        self.index = index  # n-th iteration of the current graph: the channel position
+        self.job = job
+        self.log = []  # (step, inputs, outputs, extra) per matched step, for replay
+        self.entries = []
+        self.done_path = False
+        self.fed = {}  # (node, input index) -> id of the external tensor validated there
+
+
+class Entry:
+    """Hook-table entry of a tensor the PythonRunner handed to Python."""
+
+    __slots__ = ("runner", "iteration", "step", "out", "value", "ref")
+
+    def __init__(self, runner, iteration, step, out, value=None):
+        self.runner, self.iteration, self.step, self.out = runner, iteration, step, out
+        self.value = value  # the real EagerTensor once known
+        self.ref = None
+
+    @property
+    def node(self):
+        return self.step.node
+
+    def numpy(self, tensor):
+        return self.runner.original_numpy(self.runner.value_of(self))
+
+
+def _shape_ok(shape, want):
+    if want is None:
+        return True
+    return len(shape) == len(want) and all(w is None or s == w for s, w in zip(shape, want))
+
+
+class PythonRunner:
+    def __init__(self, graph, tensors, original_numpy, watchdog, timeout, fallback):
+        self.graph = graph
+        self.steps = graph.steps
+        self.step_of = {s.node: s for s in graph.steps}
+        self.tensors = tensors
+        self.original_numpy = original_numpy
+        self.watchdog = watchdog
+        self.timeout = timeout
+        self.fallback = fallback  # runtime callback: (reason) -> None, leaves co-execution
+        self.ctx = context.context()
+        self.device = self.ctx.device_name or "/job:localhost/replica:0/task:0/device:CPU:0"
+        self._dummies = {}
+        self.pos = 0
+        self.it = None
+        self.wait_cm = cancellation.CancellationManager()
+        self.stall_time = 0.0
+
+    # -- iteration ----------------------------------------------------------------------
+    def begin(self, it: Iteration):
+        self.it = it
+        self.pos = 0
+
+    def at_end(self) -> bool:
+        return self.pos == len(self.steps)
+
+    # -- the two doors ------------------------------------------------------------------
+    def fast(self, ctx, op_type, name, args):
+        info = opdefs.info(op_type)
+        n = info.n_inputs
+        if n is None:
+            raise Mismatch(f"unknown op {op_type}")
+        inputs = list(args[:n])
+        for k, a in enumerate(inputs):
+            if type(a) is _EagerTensor:
+                continue
+            if isinstance(a, _Variable):
+                inputs[k] = a.value()  # what the C fast path does, made visible
+            elif info.list_inputs[k] and isinstance(a, (list, tuple)):
+                if not all(type(x) is _EagerTensor or isinstance(x, _PLAIN) for x in a):
+                    raise _fallback_exception()
+            elif not isinstance(a, _PLAIN) and not _plain_nested(a):
+                raise _fallback_exception()
+        step = self._expect(NodeKind.OP, op_type)
+        attrs = args[n:]
+        if attrs != step.fp_attrs:
+            self._check_attrs(step, op_type, attrs, cache=True)
+        flat = []
+        for k, a in enumerate(inputs):
+            if info.list_inputs[k] and isinstance(a, (list, tuple)):
+                flat.extend(a)
+            else:
+                flat.append(a)
+        if step.python:
+            real = [self._real(a) if type(a) is _EagerTensor else a for a in inputs]
+            return self._run_python(step, flat, ORIGINAL_FAST(ctx, op_type, name, *real,
+                                                              *attrs), fast=True)
+        return self._run(step, flat, info, fast=True)
+
+    def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
+        op_type = opdefs.op_name(op_type)
+        step = self._expect(NodeKind.OP, op_type)
+        self._check_attrs(step, op_type, attrs, cache=False)
+        if step.python:
+            real = [self._real(a) for a in inputs]
+            return self._run_python(step, inputs,
+                                    ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name),
+                                    fast=False)
+        return self._run(step, list(inputs), opdefs.info(op_type), fast=False)
+
+    # -- tape events --------------------------------------------------------------------
+    def mark(self, what, attrs, tensors, extra):
+        step = self._expect(NodeKind.MARK, what)
+        if step.attrs != attrs:
+            raise Mismatch(f"tape {what} with different settings")
+        inputs = self._validate(step, list(tensors), feed=False)
+        self.it.log.append((step, inputs, (), extra))
+        self.pos += 1
+
+    def gradient(self, attrs, tensors, extra):
+        """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""
+        step = self._expect(NodeKind.GRAD, "gradient")
+        if step.attrs != attrs:
+            raise Mismatch("gradient call with different arguments")
+        inputs = self._validate(step, list(tensors), feed=False)
+        self.pos += 1 + step.body_len
+        flat = []
+        for r in step.results:
+            if r is None:
+                flat.append(None)
+            elif r[0] == "t":
+                flat.append(self._result(*r[1]))
+            else:
+                parts = [None if p is None else self._result(*p) for p in r[1:]]
+                flat.append(_indexed_slices(*parts))
+        leaves = [self.tensors[x._id] for g in flat if g is not None
+                  for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices")
+                            else (g,)) if x is not None]
+        self.it.log.append((step, inputs, leaves, extra))
+        return flat
+
+    # -- validation ---------------------------------------------------------------------
+    def _expect(self, kind, op_type):
+        try:
+            step = self.steps[self.pos]
+        except IndexError:
+            raise Mismatch(f"{op_type} after the end of the recorded iteration") from None
+        if step.op_type != op_type or step.kind is not kind:
+            raise Mismatch(f"expected {step.op_type}, got {op_type}")
+        return step
+
+    def _check_attrs(self, step, op_type, raw, cache):
+        given = opdefs.key_attrs(opdefs.normalize_attrs(op_type, raw))
+        recorded = dict(step.attrs)
+        for name, value in given:
+            if name in recorded and recorded[name] != value:
+                raise Mismatch(f"attribute {name} of {op_type} changed")
+        if cache and len(given) == len(opdefs.normalize_attrs(op_type, raw)):
+            step.fp_attrs = raw
+
+    def _validate(self, step, flat, feed=True):
+        slots = step.slots
+        if len(flat) != len(slots):
+            raise Mismatch(f"{step.op_type} has {len(flat)} inputs, recorded {len(slots)}")
+        it = self.it
+        tensors = self.tensors
+        log = []
+        for i, a in enumerate(flat):
+            slot = slots[i]
+            kind = slot.kind
+            if type(a) is _EagerTensor:
+                e = tensors.get(a._id)
+                if kind == "node":
+                    if e is None or e.step.node is not slot.node or e.out != slot.out \
+                            or e.iteration is not it:
+                        raise Mismatch(f"input {i} of {step.op_type} has a new producer")
+                    log.append(e)
+                    continue
+                if e is not None:
+                    if e.iteration is it:
+                        raise Mismatch(f"input {i} of {step.op_type} has a new producer")
+                    a = self.value_of(e)
+                if kind == "same":
+                    if it.fed.get((slot.node, slot.out)) != a._id:
+                        raise Mismatch(f"input {i} of {step.op_type} is a different tensor")
+                    log.append(a)
+                    continue
+                it.fed[(step.node, i)] = a._id
+                if kind == "var" or kind == "capture":
+                    if a._id != slot.tensor._id:
+                        raise Mismatch(f"input {i} of {step.op_type} is a different tensor")
+                elif a._datatype_enum() != slot.dtype:
+                    raise Mismatch(f"input {i} of {step.op_type} changed dtype")
+                elif kind == "const":
+                    if not np.array_equal(a._numpy_internal(), slot.value):
+                        raise Mismatch(f"input {i} of {step.op_type}: constant value changed")
+                elif kind == "feed":
+                    if not _shape_ok(a._shape_tuple(), slot.shape):
+                        raise Mismatch(f"input {i} of {step.op_type} changed shape")
+                    if feed and step.feed[i] is not None:
+                        step.feed[i].put(a)
+                else:
+                    raise Mismatch(f"input {i} of {step.op_type} has a new producer")
+                log.append(a)
+            elif kind == "const":
+                if slot.pyvalue is not None and isinstance(a, (int, float, bool)):
+                    if a != slot.pyvalue:
+                        raise Mismatch(f"input {i} of {step.op_type}: constant value changed")
+                elif not np.array_equal(np.asarray(a), slot.value):
+                    raise Mismatch(f"input {i} of {step.op_type}: constant value changed")
+                log.append(a)
+            elif kind == "feed":
+                t = constant_op.constant(a, dtype=dtypes.as_dtype(slot.dtype))
+                if not _shape_ok(t._shape_tuple(), slot.shape):
+                    raise Mismatch(f"input {i} of {step.op_type} changed shape")
+                if feed and step.feed[i] is not None:
+                    step.feed[i].put(t)
+                log.append(t)
+            else:
+                raise Mismatch(f"input {i} of {step.op_type} is a Python value, "
+                               f"recorded a {kind}")
+        return log
+
+    # -- outputs ------------------------------------------------------------------------
+    def _standin(self, spec):
+        dummy = self._dummies.get(spec)
+        if dummy is None:
+            shape, dtype = spec
+            dt = dtypes.as_dtype(dtype)
+            if dt in (dtypes.resource, dtypes.variant):
+                raise Mismatch(f"cannot stand in for a {dt.name} tensor")
+            fill = b"" if dt == dtypes.string else 0
+            dummy = constant_op.constant(np.full(shape, fill, dtype=dt.as_numpy_dtype))
+            self._dummies[spec] = dummy
+        return dummy._copy_to_device(self.device)
+
+    def _new(self, step, out, spec):
+        s = self._standin(spec)
+        e = Entry(self, self.it, step, out)
+        self.tensors[s._id] = e
+        self.it.entries.append((e, s))
+        static = step.static[out]
+        if static is not None:
+            e.value = constant_op.constant(static)
+        return s
+
+    def _result(self, node, out):
+        step = self.step_of[node]
+        if len(node.sigs) > 1 or step.dynamic:
+            s = self._new(step, out, node.out_specs[out])
+            return self.value_of(self.tensors[s._id])
+        return self._new(step, out, node.out_specs[out])
+
+    def _run(self, step, flat, info, fast):
+        inputs = self._validate(step, flat)
+        specs = step.out_specs
+        if step.check_shapes:
+            key = tuple(a._shape_tuple() if type(a) is _EagerTensor else np.shape(a)
+                        for a in flat)
+            specs = step.node.sigs.get(key)
+            if specs is None:
+                raise Mismatch(f"{step.op_type} called with new input shapes {key}")
+        outs = [self._new(step, k, spec) for k, spec in enumerate(specs)]
+        entries = [self.tensors[s._id] for s in outs]
+        if step.dynamic:
+            outs = [self._fetch_now(step, k, s) for k, s in enumerate(outs)]
+        self.it.log.append((step, inputs, entries, None))
+        self.pos += 1
+        if not fast:
+            return outs
+        return _pack_fast(info, step, outs)
+
+    def _fetch_now(self, step, k, standin):
+        e = self.tensors[standin._id]
+        value = self.value_of(e)
+        if value._shape_tuple() != step.out_specs[k][0] and not step.check_shapes:
+            raise Mismatch(f"{step.op_type} produced a new (data-dependent) shape")
+        return value
+
+    def _run_python(self, step, flat, result, fast):
+        inputs = flat
+        outs = result if isinstance(result, (list, tuple)) else \
+            ([] if result is None else [result])
+        flat_outs = []
+        for o in outs:
+            flat_outs.extend(o if isinstance(o, (list, tuple)) else [o])
+        for k, t in enumerate(flat_outs):
+            e = Entry(self, self.it, step, k, value=t)
+            self.tensors[t._id] = e
+            self.it.entries.append((e, t))
+            channel = step.out_feed[k]
+            if channel is not None:
+                channel.put(t)
+        self.it.log.append((step, inputs, flat_outs, None))
+        self.pos += 1
+        return result
+
+    # -- values -------------------------------------------------------------------------
+    def _real(self, a):
+        e = self.tensors.get(a._id)
+        return a if e is None else self.value_of(e)
+
+    def value_of(self, e: Entry):
+        """The real tensor behind an entry: known, fetched from its channel, or taken from
+        its iteration's function outputs; falls back if the graph cannot provide it."""
+        if e.value is not None:
+            return e.value
+        step, out, it = e.step, e.out, e.iteration
+        channel = step.fetch[out]
+        if it is self.it and channel is not None:
+            e.value = self._wait(lambda: channel.get_nth(it.index, self.wait_cm), step)
+            return e.value
+        index = step.result.get(out)
+        if index is not None and (it is not self.it or it.done_path or self.at_end()):
+            self._wait_job(it.job, step)
+            if it.job.outputs is None:
+                raise IterationAborted(
+                    f"the value of {step.op_type} at {_where(step)} is unavailable: its "
+                    "iteration's graph execution was cancelled or failed")
+            e.value = it.job.outputs[index]
+            return e.value
+        if it is not self.it:
+            raise IterationAborted(
+                f"the value of {step.op_type} at {_where(step)} is unavailable: its "
+                "iteration ended before the value was recorded as needed")
+        self.fallback(f"new fetch point: value of {step.op_type} ({_where(step)})")
+        return e.value
+
+    def _wait(self, fetch, step):
+        t0 = time.perf_counter()
+        self.watchdog.arm(self.wait_cm, self.timeout)
+        try:
+            return fetch()
+        except Exception as err:  # noqa: BLE001 - cancelled dequeue: find out why
+            self.watchdog.disarm()
+            self.wait_cm = cancellation.CancellationManager()
+            job = self.it.job
+            if job is not None and job.error is not None:
+                raise GraphFailed(job) from None
+            if self.watchdog.fired:
+                raise TimeoutError(
+                    f"Terra: waited {self.timeout:.0f}s for the value of {step.op_type} "
+                    f"({_where(step)}); the graph did not produce it") from err
+            raise
+        finally:
+            self.watchdog.disarm()
+            self.stall_time += time.perf_counter() - t0
+
+    def _wait_job(self, job, step):
+        t0 = time.perf_counter()
+        finished = job.done.wait(self.timeout)
+        self.stall_time += time.perf_counter() - t0
+        if not finished:
+            raise TimeoutError(f"Terra: waited {self.timeout:.0f}s for the graph iteration "
+                               f"that computes {step.op_type} ({_where(step)})")
+        if job.error is not None and not job.cancelled:
+            raise GraphFailed(job)
+
+    # -- end of iteration ---------------------------------------------------------------
+    def finish(self):
+        """Sweep this iteration's tensors: keep entries Python still holds (escapes)."""
+        uncovered = []
+        for e, t in self.it.entries:
+            alive = sys.getrefcount(t) > _BASE_REFS
+            if not alive:
+                self.tensors.pop(t._id, None)
+                continue
+            if e.value is None and e.step.result.get(e.out) is None:
+                uncovered.append(e)
+        self.it.entries = []
+        return uncovered
+
+
+class GraphFailed(Exception):
+    """The graph raised while running an iteration; carries the job."""
+
+    def __init__(self, job):
+        super().__init__(str(job.error))
+        self.job = job
+
+
+def _where(step):
+    loc = step.node.location
+    return f"{loc.file}:{loc.line}" if loc else "unknown location"
+
+
+def _plain_nested(a):
+    if isinstance(a, (list, tuple)):
+        return all(isinstance(x, _PLAIN) or _plain_nested(x) for x in a)
+    return False
+
+
+def _fallback_exception():
+    from tensorflow.python.eager import core
+
+    return core._FallbackException()
+
+
+def _pack_fast(info, step, outs):
+    """Shape results like ``TFE_Py_FastPathExecute``: one tensor, None, or a list."""
+    op_def = info.op_def
+    if len(op_def.output_arg) == 1:
+        arg = op_def.output_arg[0]
+        if not (arg.number_attr or arg.type_list_attr):
+            return outs[0]
+        return outs
+    if not op_def.output_arg:
+        return None
+    attrs = dict(step.attrs)
+    grouped, k = [], 0
+    for arg in op_def.output_arg:
+        if arg.number_attr:
+            n = attrs[arg.number_attr]
+        elif arg.type_list_attr:
+            n = len(attrs[arg.type_list_attr])
+        else:
+            grouped.append(outs[k])
+            k += 1
+            continue
+        grouped.append(outs[k:k + n])
+        k += n
+    return grouped
+
+
+def _indexed_slices(values, indices, dense_shape):
+    from tensorflow.python.framework import indexed_slices
+
+    return indexed_slices.IndexedSlices(values, indices, dense_shape)
+
+
+# A tensor referenced only by the iteration's entry list: the tuple, the loop variable and
+# getrefcount's argument.
+_BASE_REFS = 3

@@ -1,0 +1,48 @@
+"""Input Feeding / Output Fetching channels: one unbounded TF FIFO queue per point.
+
+Unbounded because a bounded queue deadlocks when the graph produces a value Python never
+reads (DESIGN.md §6). Terra's own queue ops go straight to ``quick_execute`` /
+``execute_with_cancellation`` so the interception doors never see them.
+"""
+
+import threading
+
+from tensorflow.python.eager import context, execute
+from tensorflow.python.ops import gen_data_flow_ops
+
+
+class Channel:
+    """One FIFO queue carrying a single tensor per iteration in which its point runs."""
+
+    __slots__ = ("handle", "dtype", "shape", "lock", "taken", "_attrs")
+
+    def __init__(self, dtype: int, shape):
+        self.dtype, self.shape = dtype, shape
+        exact = shape is not None and None not in shape
+        self.handle = gen_data_flow_ops.fifo_queue_v2(
+            component_types=[dtype], shapes=[list(shape)] if exact else [], capacity=-1)
+        self.lock = threading.Lock()
+        self.taken = 0  # values dequeued so far (fetch channels)
+        self._attrs = ("component_types", [dtype], "timeout_ms", -1)
+
+    def put(self, t):
+        execute.quick_execute("QueueEnqueueV2", 0, [self.handle, t],
+                              ("Tcomponents", [self.dtype], "timeout_ms", -1), context.context())
+
+    def get(self, cancellation_manager):
+        """Blocking dequeue; raises ``CancelledError`` when the manager is cancelled."""
+        out = execute.execute_with_cancellation(
+            "QueueDequeueV2", 1, [self.handle], self._attrs, context.context(),
+            cancellation_manager)
+        self.taken += 1
+        return out[0]
+
+    def get_nth(self, n, cancellation_manager):
+        """The value with index ``n`` (0-based, in enqueue order), skipping older ones."""
+        with self.lock:
+            if n < self.taken:
+                raise IndexError(f"value {n} of this channel was already consumed")
+            value = None
+            while self.taken <= n:
+                value = self.get(cancellation_manager)
+            return value

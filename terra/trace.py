@@ -1,0 +1,173 @@
+"""Recording one iteration: the tracing phase (paper §3.2.1).
+
+A :class:`Recorder` is installed as a TF op callback while an iteration runs eagerly. It turns
+every executed op into an :class:`OpRecord` whose inputs are :data:`Ref` tuples:
+
+- ``("op", index, out)``: output ``out`` of record ``index`` of this trace;
+- ``("var", handle)``: a variable's resource handle (captured by identity in the graph);
+- ``("ext", tensor)``: any other tensor that no recorded op produced (a batch, a converted
+  Python scalar, a tensor from an earlier iteration); the TraceGraph decides whether it is a
+  constant, a captured tensor or a feed;
+- ``("same", index, k)``: the external tensor already read by input ``k`` of record
+  ``index`` (the batch read by a forward op and again by its gradient is fed once).
+
+Besides ops the trace holds *marks* (tape enter/exit/watch) and *gradient regions*: a
+``"grad"`` record followed by the ops ``tape.gradient`` ran. The PythonRunner validates a
+gradient call as one step and skips its ops, so the backward pass costs Python nothing.
+Materializations (fetch points) and tensors still alive when the iteration ends (escapes) are
+recorded on the producing record.
+"""
+
+import weakref
+
+from tensorflow.python.framework import dtypes
+
+from terra import opdefs
+from terra.location import user_location
+
+_RESOURCE = dtypes.resource.as_datatype_enum
+
+
+class OpRecord:
+    """One recorded step of an iteration: an op, a mark, or the head of a gradient region."""
+
+    __slots__ = ("kind", "op_type", "attrs", "inputs", "out_specs", "location", "in_graph",
+                 "body_len", "results", "fetched", "escaped")
+
+    def __init__(self, kind, op_type, attrs, inputs, out_specs, location, in_graph=False):
+        self.kind = kind  # "op" | "mark" | "grad"
+        self.op_type = op_type
+        self.attrs = attrs
+        self.inputs = inputs
+        self.out_specs = out_specs  # ((shape tuple, dtype enum), ...)
+        self.location = location
+        self.in_graph = in_graph
+        self.body_len = 0
+        self.results = None  # grad: per source leaf None | ("t", ref) | ("is", v, i, s)
+        self.fetched = set()
+        self.escaped = set()
+
+    def __repr__(self):
+        return f"<{self.kind} {self.op_type}>"
+
+
+def spec_of(t):
+    return (t._shape_tuple(), t._datatype_enum())
+
+
+class TracedValue:
+    """Hook-table entry for a real tensor produced during tracing: notes materializations."""
+
+    __slots__ = ("record", "out", "ref", "original")
+
+    def __init__(self, record, out, tensor, original):
+        self.record, self.out, self.ref, self.original = record, out, weakref.ref(tensor), original
+
+    def numpy(self, tensor):
+        self.record.fetched.add(self.out)
+        return self.original(tensor)
+
+
+class Recorder:
+    """Builds the trace of one iteration from op callbacks and tape events."""
+
+    def __init__(self, tensors: dict, original_numpy):
+        self.records: list[OpRecord] = []
+        self.producer: dict[int, tuple] = {}  # EagerTensor._id -> ("op", index, out)
+        self.ext_first: dict[int, tuple] = {}  # external tensor -> its first graph-op slot
+        self.tensors = tensors  # the shared materialization-hook table
+        self.original_numpy = original_numpy
+        self.creates_state = False
+        self.aborted = False  # the iteration raised: its trace is not merged
+        self.skippable = True  # False when a gradient region cannot be skipped
+        self.location_override = None  # replay records the location of the original op
+
+    # -- refs ---------------------------------------------------------------------------
+    def ref(self, t):
+        r = self.producer.get(t._id)
+        if r is not None:
+            return r
+        if t._datatype_enum() == _RESOURCE:
+            return ("var", t)
+        return ("ext", t)
+
+    def _outputs(self, index, record, outputs):
+        for k, t in enumerate(outputs):
+            self.producer[t._id] = ("op", index, k)
+            self.tensors[t._id] = TracedValue(record, k, t, self.original_numpy)
+
+    # -- op callback --------------------------------------------------------------------
+    def record_op(self, op_type, inputs, attrs, outputs, location=None):
+        op_type = opdefs.op_name(op_type)
+        if op_type in opdefs.CREATION_OPS:
+            self.creates_state = True
+        index = len(self.records)
+        in_graph = opdefs.info(op_type).in_graph
+        refs = []
+        for k, t in enumerate(inputs):
+            r = self.ref(t)
+            if r[0] == "ext":
+                first = self.ext_first.get(t._id)
+                if first is not None:
+                    r = ("same", *first)  # one feed per value, however many ops read it
+                elif in_graph:
+                    self.ext_first[t._id] = (index, k)
+            refs.append(r)
+        rec = OpRecord("op", op_type, opdefs.normalize_attrs(op_type, attrs), refs,
+                       tuple(spec_of(t) for t in outputs),
+                       location or self.location_override or user_location(), in_graph)
+        self.records.append(rec)
+        self._outputs(index, rec, outputs)
+        return rec
+
+    def callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is None:  # ops added to a graph (a user tf.function being traced) are not ours
+            self.record_op(op_type, inputs, attrs, outputs)
+
+    def swap(self, x):
+        """A stand-in whose value is known -> that value (used when replaying)."""
+        entry = self.tensors.get(getattr(x, "_id", None))
+        value = getattr(entry, "value", None)
+        return x if value is None else value
+
+    # -- tape events --------------------------------------------------------------------
+    def mark(self, what, attrs=(), tensors=(), location=None):
+        rec = OpRecord("mark", what, attrs, [self.ref(t) for t in tensors], (),
+                       location or user_location())
+        self.records.append(rec)
+        return rec
+
+    def begin_grad(self, attrs, tensors, location):
+        rec = OpRecord("grad", "gradient", attrs, [self.ref(t) for t in tensors], (), location)
+        self.records.append(rec)
+        return len(self.records) - 1
+
+    def end_grad(self, index, flat_results):
+        """Close the region opened by :meth:`begin_grad`; returns False if not skippable."""
+        rec = self.records[index]
+        rec.body_len = len(self.records) - index - 1
+        results = []
+        skippable = True
+        for g in flat_results:
+            if g is None:
+                results.append(None)
+                continue
+            parts = (g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,)
+            refs = [None if p is None else self.producer.get(p._id) for p in parts]
+            if any(p is not None and (r is None or r[1] <= index) for p, r in zip(parts, refs)):
+                skippable = False  # a result not computed inside the region
+            results.append(("is", *refs) if len(parts) == 3 else ("t", refs[0]))
+        if any(not r.in_graph for r in self.records[index + 1:]):
+            skippable = False  # the backward pass ran an op that must run in Python
+        rec.results = results
+        self.skippable &= skippable
+        return skippable
+
+    # -- iteration end ------------------------------------------------------------------
+    def finish(self):
+        """Note which recorded outputs are still referenced (they outlive the iteration)."""
+        for entry in self.tensors.values():
+            if isinstance(entry, TracedValue) and entry.ref() is not None:
+                entry.record.escaped.add(entry.out)
+        for t_id in [k for k, e in self.tensors.items() if isinstance(e, TracedValue)]:
+            del self.tensors[t_id]

@@ -1,0 +1,299 @@
+"""The TraceGraph: every collected trace merged into one DAG (paper §3.2.2).
+
+Nodes are matched on (kind, op type, attributes) among the children of the latest matched
+node, *and* on where each input comes from: the same producer node and output, the same
+variable, or an external value. A miss starts a new branch. Only this module's methods add
+nodes or edges.
+
+External inputs are classified over all observations, so the graph can treat them cheaply and
+the PythonRunner can validate them soundly:
+
+- ``const``: a small tensor with the same value every time -> a graph constant, validated
+  by value;
+- ``capture``: the very same tensor object every time (checked over >= 2 traces) -> captured
+  by identity like a variable;
+- ``feed``: anything else -> an Input Feeding queue; its dtype is validated and its shape
+  is validated against the shapes seen (a varying dimension is relaxed in the graph).
+"""
+
+import enum
+import itertools
+
+import numpy as np
+from tensorflow.python.framework import dtypes
+
+from terra import opdefs
+from terra.trace import OpRecord
+
+SMALL_CONST = 64  # elements; larger external tensors are always fed
+
+
+class NodeKind(enum.Enum):
+    START = "start"
+    END = "end"
+    OP = "op"  # a TF op; ``in_graph`` says whether the graph or the PythonRunner runs it
+    MARK = "mark"  # tape enter / exit / watch
+    GRAD = "grad"  # head of a gradient region: the next ``body_len`` nodes are its ops
+
+
+class Slot:
+    """Where one input of a node comes from."""
+
+    __slots__ = ("kind", "node", "out", "tensor", "value", "pyvalue", "dtype", "shape",
+                 "ids", "values_vary")
+
+    def __init__(self, kind, node=None, out=0, tensor=None):
+        self.kind = kind  # "node" | "var" | "const" | "capture" | "feed" | "same"
+        # "same": the value of input ``out`` of ``node`` (an external value read again)
+        self.node, self.out, self.tensor = node, out, tensor
+        self.value = self.pyvalue = None
+        self.dtype = self.shape = None
+        self.ids = set()
+        self.values_vary = False
+
+    @classmethod
+    def external(cls, t):
+        slot = cls("feed")
+        slot.dtype, slot.shape = t._datatype_enum(), t._shape_tuple()
+        slot.observe(t)
+        return slot
+
+    def observe(self, t):
+        """Fold one more observation of an external input into the classification."""
+        shape = t._shape_tuple()
+        if shape != self.shape:
+            self.shape = tuple(a if a == b else None for a, b in zip(self.shape, shape)) \
+                if len(shape) == len(self.shape) else None
+        self.ids.add(t._id)
+        if not self.values_vary and t._num_elements() <= SMALL_CONST and \
+                t.dtype != dtypes.string and t.dtype != dtypes.variant:
+            value = t._numpy_internal() if hasattr(t, "_numpy_internal") else t.numpy()
+            if self.value is None:
+                self.value = np.array(value)
+                self.pyvalue = self.value.item() if self.value.ndim == 0 else None
+            elif not np.array_equal(self.value, value):
+                self.values_vary = True
+        else:
+            self.values_vary = True
+        if self.value is not None and not self.values_vary:
+            self.kind, self.tensor = "const", None
+        elif len(self.ids) == 1 and self.kind == "capture":
+            pass
+        else:
+            self.kind, self.tensor = "feed", None
+
+    def matches(self, ref, nodes):
+        kind = ref[0]
+        if kind == "op":
+            return self.kind == "node" and self.node is nodes[ref[1]] and self.out == ref[2]
+        if kind == "var":
+            return self.kind == "var" and self.tensor._id == ref[1]._id
+        if kind == "same":
+            return self.kind == "same" and self.node is nodes[ref[1]] and self.out == ref[2]
+        return self.kind in ("const", "capture", "feed") and \
+            self.dtype == ref[1]._datatype_enum()
+
+    def __str__(self):
+        if self.kind == "node":
+            return f"%{self.node.id}" + (f".{self.out}" if self.out else "")
+        if self.kind == "var":
+            return "var"
+        if self.kind == "same":
+            return f"%{self.node.id}.in{self.out}"
+        if self.kind == "const":
+            return f"const({np.array2string(self.value, threshold=4)})"
+        shape = "?" if self.shape is None else "x".join("?" if d is None else str(d)
+                                                         for d in self.shape)
+        return f"{self.kind}[{dtypes.as_dtype(self.dtype).name} {shape}]"
+
+
+class TraceNode:
+    """A node of the TraceGraph. ``repr`` is ``%id``; :meth:`format` is one full line."""
+
+    def __init__(self, node_id, kind, rec: OpRecord | None = None):
+        self.id = node_id
+        self.kind = kind
+        self.succs: list[TraceNode] = []
+        self.preds: list[TraceNode] = []
+        self.op_type = rec.op_type if rec else kind.value
+        self.attrs = rec.attrs if rec else ()
+        self.location = rec.location if rec else None
+        self.in_graph = rec.in_graph if rec else False
+        self.inputs: list[Slot] = []
+        self.out_specs = rec.out_specs if rec else ()
+        self.sigs: dict[tuple, tuple] = {}  # input shapes -> output specs
+        self.body_len = rec.body_len if rec else 0
+        self.results = None  # GRAD: per source leaf None | ("t", (node, out)) | ("is", ...)
+        self.fetched: set[int] = set()
+        self.escaped: set[int] = set()
+
+    @property
+    def key(self):
+        return (self.kind, self.op_type, opdefs.key_attrs(self.attrs))
+
+    def __repr__(self):
+        return f"%{self.id}"
+
+    def format(self) -> str:
+        attrs = ", ".join(f"{k}={_short(v)}" for k, v in self.attrs if k not in ("T", "dtype")) \
+            if self.kind == NodeKind.OP else ""
+        args = ", ".join(str(s) for s in self.inputs)
+        extra = []
+        if not self.in_graph and self.kind == NodeKind.OP:
+            extra.append("python")
+        if self.fetched:
+            extra.append(f"fetch={sorted(self.fetched)}")
+        if self.escaped:
+            extra.append(f"escape={sorted(self.escaped)}")
+        if self.kind == NodeKind.GRAD:
+            extra.append(f"body={self.body_len}")
+        where = f"  # {_where(self.location)}" if self.location else ""
+        succ = " -> " + ", ".join(repr(s) for s in self.succs) if len(self.succs) > 1 else ""
+        tags = f" [{' '.join(extra)}]" if extra else ""
+        head = f"{self.op_type}[{attrs}]" if attrs else self.op_type
+        return f"%{self.id} = {head}({args}){tags}{succ}{where}"
+
+
+def _short(v):
+    s = repr(v)
+    return s if len(s) <= 24 else s[:21] + "..."
+
+
+def _where(loc):
+    return f"{loc.file.rsplit('/', 1)[-1]}:{loc.line}"
+
+
+def _in_shapes(rec, records):
+    shapes = []
+    for ref in rec.inputs:
+        if ref[0] == "same":
+            ref = records[ref[1]].inputs[ref[2]]
+        if ref[0] == "op":
+            shapes.append(records[ref[1]].out_specs[ref[2]][0])
+        else:
+            shapes.append(ref[1]._shape_tuple())
+    return tuple(shapes)
+
+
+class TraceGraph:
+    """A DAG of TraceNodes between a start and an end node.
+
+    ``merge`` folds a trace in and says whether the trace was already covered; ``str`` prints
+    one line per node in topological order, e.g.::
+
+        %3 = MatMul[transpose_a=False, ...](feed[float32 64x784], %2)  # train.py:12
+    """
+
+    def __init__(self):
+        self._ids = itertools.count()
+        self.start = TraceNode(next(self._ids), NodeKind.START)
+        self.end = TraceNode(next(self._ids), NodeKind.END)
+        self.nodes = [self.start, self.end]
+
+    def _new_node(self, kind, rec):
+        node = TraceNode(next(self._ids), kind, rec)
+        self.nodes.append(node)
+        return node
+
+    @staticmethod
+    def _link(a, b):
+        a.succs.append(b)
+        b.preds.append(a)
+
+    def _matches(self, node, rec, rec_nodes):
+        if node.key != (NodeKind(rec.kind), rec.op_type, opdefs.key_attrs(rec.attrs)):
+            return False
+        if len(node.inputs) != len(rec.inputs):
+            return False
+        return all(s.matches(r, rec_nodes) for s, r in zip(node.inputs, rec.inputs))
+
+    def merge(self, records: list[OpRecord]):
+        """Merge one trace. Returns ``(covered, path)``: whether nothing had to be added, and
+        the nodes the trace went through, start and end excluded."""
+        covered = True
+        cur = self.start
+        rec_nodes: list[TraceNode] = []
+        for rec in records:
+            node = next((n for n in cur.succs if self._matches(n, rec, rec_nodes)), None)
+            if node is None:
+                covered = False
+                node = self._new_node(NodeKind(rec.kind), rec)
+                for ref in rec.inputs:
+                    if ref[0] == "op":
+                        node.inputs.append(Slot("node", rec_nodes[ref[1]], ref[2]))
+                    elif ref[0] == "var":
+                        node.inputs.append(Slot("var", tensor=ref[1]))
+                    elif ref[0] == "same":
+                        node.inputs.append(Slot("same", rec_nodes[ref[1]], ref[2]))
+                    else:
+                        slot = Slot.external(ref[1])
+                        if slot.kind == "feed":
+                            slot.kind, slot.tensor = "capture", ref[1]  # until seen twice
+                        node.inputs.append(slot)
+                self._link(cur, node)
+            else:
+                for slot, ref in zip(node.inputs, rec.inputs):
+                    if ref[0] == "ext":
+                        slot.observe(ref[1])
+            sig = _in_shapes(rec, records)
+            if node.sigs.setdefault(sig, rec.out_specs) != rec.out_specs:
+                node.sigs[sig] = rec.out_specs  # same inputs, new output shapes: data-dependent
+            node.out_specs = rec.out_specs
+            node.fetched |= rec.fetched
+            node.escaped |= rec.escaped
+            if rec.kind == "grad":
+                node.body_len = rec.body_len
+            rec_nodes.append(node)
+            cur = node
+        for rec, node in zip(records, rec_nodes):
+            if rec.kind == "grad":
+                node.results = [_resolve_result(r, rec_nodes) for r in rec.results]
+        if self.end not in cur.succs:
+            covered = False
+            self._link(cur, self.end)
+        return covered, rec_nodes
+
+    def topological(self):
+        indeg = {n: len(n.preds) for n in self.nodes}
+        ready = [self.start]
+        order = []
+        while ready:
+            n = ready.pop()
+            order.append(n)
+            for s in reversed(n.succs):
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    ready.append(s)
+        return order
+
+    def lint(self):
+        """Check the structural invariants; raises AssertionError naming the broken one."""
+        order = self.topological()
+        assert len(order) == len(self.nodes), "TraceGraph has a cycle"
+        assert len({n.id for n in self.nodes}) == len(self.nodes), "duplicate node ids"
+        assert not self.start.preds and not self.end.succs, "start/end are not source/sink"
+        for n in self.nodes:
+            for s in n.succs:
+                assert n in s.preds, f"{n!r}->{s!r} missing its reverse edge"
+            for slot in n.inputs:
+                assert slot.kind != "node" or slot.node in self.nodes, f"{n!r} dangling input"
+
+    @property
+    def branch_points(self):
+        return [n for n in self.nodes if len(n.succs) > 1]
+
+    def __str__(self):
+        lines = []
+        for n in self.topological():
+            if n.kind in (NodeKind.START, NodeKind.END):
+                continue
+            lines.append(n.format())
+        return "\n".join(lines)
+
+
+def _resolve_result(r, rec_nodes):
+    if r is None:
+        return None
+    return (r[0],) + tuple(None if ref is None else (rec_nodes[ref[1]], ref[2]) for ref in r[1:])
+
+
