@@ -1,0 +1,92 @@
+"""The benchmark programs: ordinary imperative TF2 training loops on synthetic data.
+
+Every program is a class with the same small interface::
+
+    prog = load("mlp")(config="quick", seed=0, tape=tf.GradientTape)
+    for batch in prog.batches(steps):          # per-step inputs (tensors, numpy, python)
+        out = step_fn(*batch)                  # step_fn = prog.train_step, or a tf.function of it
+        loss = prog.after_step(out)            # the rest of the loop body (logging, attributes)
+
+``train_step`` is one training step written with ``with self.tape() as tape:`` so that the
+harness can swap in ``terra.TerraGradientTape``; it returns the loss tensor (or a tuple of loss
+tensors) without materializing it, unless materializing is the program's point. ``after_step``
+is the part of the loop body after the step call; it is eager in every mode (that is where a
+program logs with ``.numpy()`` or reads an attribute its step wrote) and by default returns
+``out`` unchanged. :func:`run` is that loop.
+
+Two programs built with the same seed see the same data and the same initial weights, and all
+randomness inside a step comes from Keras seed generators (stateless ops plus a seed variable),
+so eager, ``tf.function`` and Terra runs of one program are comparable loss by loss.
+
+This module does not import TensorFlow (the harness process must not); the program modules and
+:class:`Program` (``benchmarks.programs.base``) do.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import NamedTuple
+
+
+class Entry(NamedTuple):
+    target: str  # "module:Class" in this package
+    warmup: int  # default warm-up steps (quick config): tracing, graph generation, XLA compiles
+    steps: int  # default timed steps (quick config): roughly 1-5 s of eager time
+
+
+REGISTRY = {
+    "mlp": Entry("mlp:MLP", 10, 50),
+    "convnet": Entry("convnet:ConvNet", 10, 40),
+    "resnet50": Entry("resnet50:ResNet50", 6, 8),
+    "bert_qa": Entry("bert_qa:BertQA", 8, 20),
+    "yolov3": Entry("yolov3:YOLOv3", 8, 12),
+    "dcgan": Entry("dcgan:DCGAN", 8, 30),
+    "gpt2": Entry("gpt2:GPT2", 12, 20),
+    "bert_cls": Entry("bert_cls:BertCls", 8, 20),
+    "dropblock": Entry("dropblock:DropBlock", 8, 40),
+    "sdpoint": Entry("sdpoint:SDPoint", 12, 20),
+    "fasterrcnn": Entry("fasterrcnn:FasterRCNN", 10, 40),
+    "music_transformer": Entry("music_transformer:MusicTransformer", 8, 24),
+}
+
+# The ten programs of the paper's evaluation (Table 3.1 / Fig. 3.10), in its order.
+PAPER = [
+    "resnet50", "bert_qa", "yolov3", "dcgan", "gpt2",
+    "bert_cls", "dropblock", "sdpoint", "fasterrcnn", "music_transformer",
+]
+
+
+def load(name: str):
+    """The program class registered under ``name`` (imports TensorFlow)."""
+    try:
+        module, cls = REGISTRY[name].target.split(":")
+    except KeyError:
+        raise KeyError(f"unknown program {name!r}; known: {', '.join(REGISTRY)}") from None
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def run(program, steps: int, step_fn=None) -> list:
+    """Run ``steps`` training steps; return the losses as floats (tuples for multi-loss steps).
+
+    Loss tensors are only converted after the loop, so the loop itself adds no sync point
+    beyond those the program makes.
+    """
+    step_fn = step_fn or program.train_step
+    losses = []
+    for batch in program.batches(steps):
+        losses.append(program.after_step(step_fn(*batch)))
+    return [_to_float(loss) for loss in losses]
+
+
+def _to_float(loss):
+    if isinstance(loss, (tuple, list)):
+        return tuple(float(x) for x in loss)
+    return float(loss)
+
+
+def __getattr__(name):
+    if name == "Program":  # lazily: it needs TensorFlow
+        from benchmarks.programs.base import Program
+
+        return Program
+    raise AttributeError(name)
