@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.modes import AUTOGRAPH_PEER, MODES
+from benchmarks.modes import AUTOGRAPH_PEER, MODES, finish
+from benchmarks.programs import REGISTRY
 from benchmarks.worker import RESULT_TAG, run_one
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,12 @@ def measure(programs, modes, *, config, steps, warmup, repeats, seed, timeout, i
                             warmup=warmup[program], seed=seed)
                 log(f"[{len(runs) + 1}/{total}] {program} {mode} (repeat {repeat + 1}) ...")
                 run_start = time.perf_counter()
-                result = run_one(**spec) if inprocess else _run_subprocess(spec, timeout)
+                if inprocess:
+                    result = run_one(**spec)
+                    result["peak_rss_mb"] = None  # the process's peak, not this run's
+                    finish(MODES[mode])
+                else:
+                    result = _run_subprocess(spec, timeout)
                 result["repeat"] = repeat
                 runs.append(result)
                 wall = time.perf_counter() - run_start
@@ -65,8 +71,10 @@ def _run_subprocess(spec: dict, timeout: float) -> dict:
                 traceback="\n".join(tail))
 
 
-def compare_losses(losses, reference, rtol: float, atol: float) -> tuple[str | None, float]:
-    """(first mismatch as text or None, largest relative difference)."""
+def compare_losses(losses, reference, rtol: float, atol: float,
+                   steps: int | None = None) -> tuple[str | None, float]:
+    """(first mismatch as text or None, largest relative difference) over the first ``steps``."""
+    losses, reference = losses[:steps], reference[:steps]
     a, b = np.asarray(losses, np.float64), np.asarray(reference, np.float64)
     if a.shape != b.shape:
         return f"{len(a)} losses vs eager's {len(b)}", float("inf")
@@ -100,49 +108,73 @@ def summarize(runs: list[dict], programs, modes, rtol: float, atol: float) -> li
     rows = []
     for program in programs:
         sps = {m: {k: by_key[(program, m, k)].get("steps_per_s") for k in repeats} for m in modes}
+        eager = [by_key[(program, "eager", k)] for k in repeats]
         for mode in modes:
             mine = [by_key[(program, mode, k)] for k in repeats]
-            row = dict(program=program, mode=mode, label=MODES[mode].label, status="ok",
-                       detail="")
-            errors = [r["error"] for r in mine if "error" in r]
-            mismatches, max_rel = [], 0.0
-            for k, r in zip(repeats, mine, strict=True):
-                # eager is checked against its own first repeat (determinism of the program).
-                ref = by_key[(program, "eager", repeats[0] if mode == "eager" else k)]
-                if "losses" in r and "losses" in ref:
-                    mismatch, rel = compare_losses(r["losses"], ref["losses"], rtol, atol)
-                    max_rel = max(max_rel, rel)
-                    if mismatch:
-                        mismatches.append(mismatch)
-            if errors:
-                row.update(status="FAIL", detail=errors[0])
-            elif mismatches:
-                row.update(status="NONDET" if mode == "eager" else "WRONG", detail=mismatches[0])
-            row["max_rel_diff"] = max_rel
-            row["steps_per_s"] = [sps[mode][k] for k in repeats]
-            row["median_steps_per_s"] = _median(row["steps_per_s"])
-            ok = [v for v in row["steps_per_s"] if v]
-            row["spread_pct"] = (100 * (max(ok) - min(ok)) / 2 / statistics.median(ok)
-                                 if len(ok) > 1 else None)
-            row["speedup"] = _paired(sps[mode], sps.get("eager"))
-            row["median_speedup"] = _median(row["speedup"])
-            peer = AUTOGRAPH_PEER.get(mode)
-            if peer not in modes and peer == "autograph_xla":
-                peer = "autograph"
-            if peer in modes:
-                row["vs_autograph_mode"] = peer
-                row["vs_autograph"] = _paired(sps[mode], sps[peer])
-                row["median_vs_autograph"] = _median(row["vs_autograph"])
+            row = dict(program=program, mode=mode, label=MODES[mode].label)
+            row.update(_check(program, mode, mine, eager, rtol, atol))
+            row.update(_speed(mode, modes, sps))
+            row.update(_terra(mine))
             row["traces"] = _median([_traces(r) for r in mine])
-            stats = [r.get("terra_stats") for r in mine if r.get("terra_stats")]
-            if stats:
-                row["terra_stats"] = _merge_stats(stats)
-                row["fallbacks"] = row["terra_stats"].get("fallbacks")
-                row["coexecuted"] = row["terra_stats"].get("coexecuted")
             row["peak_rss_mb"] = _median([r.get("peak_rss_mb") for r in mine])
             row["warmup_s"] = _median([r.get("warmup_s") for r in mine])
             rows.append(row)
     return rows
+
+
+def _check(program, mode, mine, eager, rtol, atol) -> dict:
+    """Status of one (program, mode): ok, FAIL (raised), WRONG (losses differ from eager's),
+    NONDET (eager itself differs between repeats) or UNCHECKED (XLA on a random program)."""
+    compared = REGISTRY[program].compare_steps
+    mismatches, max_rel = [], 0.0
+    for k, r in enumerate(mine):
+        ref = eager[0 if mode == "eager" else k]  # eager: determinism across repeats
+        if "losses" in r and "losses" in ref:
+            mismatch, rel = compare_losses(r["losses"], ref["losses"], rtol, atol, compared)
+            max_rel = max(max_rel, rel)
+            if mismatch:
+                mismatches.append(mismatch)
+    result = dict(status="ok", detail="", compared_steps=compared, max_rel_diff=max_rel)
+    errors = [r["error"] for r in mine if "error" in r]
+    if errors:
+        result.update(status="FAIL", detail=errors[0])
+    elif MODES[mode].xla and REGISTRY[program].random:
+        result.update(status="UNCHECKED", detail="XLA draws other random numbers than eager "
+                      "(dropout/noise in the step); losses not compared")
+    elif mismatches:
+        result.update(status="NONDET" if mode == "eager" else "WRONG", detail=mismatches[0])
+    return result
+
+
+def _speed(mode, modes, sps) -> dict:
+    """steps/s per repeat, median and spread; per-repeat ratios to eager and to AutoGraph."""
+    per_repeat = list(sps[mode].values())
+    ok = [v for v in per_repeat if v]
+    result = dict(steps_per_s=per_repeat, median_steps_per_s=_median(per_repeat),
+                  spread_pct=(100 * (max(ok) - min(ok)) / 2 / statistics.median(ok)
+                              if len(ok) > 1 else None))
+    result["speedup"] = _paired(sps[mode], sps["eager"])
+    result["median_speedup"] = _median(result["speedup"])
+    peer = AUTOGRAPH_PEER.get(mode)
+    if peer == "autograph_xla" and peer not in modes:
+        peer = "autograph"
+    if peer in modes:
+        result["vs_autograph_mode"] = peer
+        result["vs_autograph"] = _paired(sps[mode], sps[peer])
+        result["median_vs_autograph"] = _median(result["vs_autograph"])
+    return result
+
+
+def _terra(mine) -> dict:
+    """Terra's stats: whole-run medians, and the timed steps alone (``_timed_stats``)."""
+    stats = [r["terra_stats"] for r in mine if r.get("terra_stats")]
+    if not stats:
+        return {}
+    merged = _merge_stats(stats)
+    timed = [_timed_stats(r) for r in mine if r.get("terra_stats_warmup") and "error" not in r]
+    return dict(terra_stats=merged, fallbacks=merged.get("fallbacks"),
+                coexecuted=merged.get("coexecuted"),
+                terra_timed=_merge_stats(timed) if timed else None)
 
 
 def _paired(mine: dict, base: dict | None) -> list:
@@ -155,6 +187,19 @@ def _traces(run: dict):
     if run.get("terra_stats"):
         return run["terra_stats"].get("traces")
     return run.get("traces")
+
+
+def _timed_stats(run: dict) -> dict:
+    """Terra stats of the timed steps only: counter deltas, and times in ms per timed step."""
+    end, start = run["terra_stats"], run["terra_stats_warmup"]
+    timed = {"phase": end.get("phase")}
+    for key, value in end.items():
+        before = start.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or before is None:
+            continue
+        delta = value - before
+        timed[key] = delta if isinstance(value, int) else 1000 * delta / run["steps"]
+    return timed
 
 
 def _merge_stats(stats: list[dict]) -> dict:

@@ -20,6 +20,10 @@ class Mode:
     jit_compile: bool = False  # ... with XLA
     terra: dict | None = None  # terra.configure(...) keywords; None = plain tf.GradientTape
 
+    @property
+    def xla(self) -> bool:
+        return self.jit_compile or bool(self.terra and self.terra.get("xla"))
+
 
 MODES = {m.name: m for m in [
     Mode("eager", "Eager"),
@@ -55,13 +59,21 @@ def step_fn_for(mode: Mode, program):
     return program.train_step
 
 
-def terra_stats() -> dict | None:
-    """Every public field of ``terra.stats()`` (counters, phase, timing breakdown if present)."""
-    import sys
+def finish(mode: Mode) -> None:
+    """End a Terra mode's state before the next run in the same process (``--inprocess``): its
+    last iteration would otherwise take in the ops of whatever runs next."""
+    if mode.terra is not None:
+        import terra
 
-    terra = sys.modules.get("terra")
-    if terra is None:
+        terra.reset()
+
+
+def terra_stats(mode: Mode) -> dict | None:
+    """Every public field of ``terra.stats()`` (counters, phase, timing breakdown if present)."""
+    if mode.terra is None:
         return None
+    import terra
+
     stats = terra.stats()
     if dataclasses.is_dataclass(stats):
         fields = dataclasses.asdict(stats)

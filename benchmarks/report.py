@@ -7,9 +7,6 @@ from pathlib import Path
 
 from benchmarks.modes import MODES
 
-# Counters shown in their own columns; every other numeric Terra stat goes in the stats table.
-COUNTERS = ("iterations", "traces", "fallbacks", "graph_generations", "coexecuted")
-
 
 def _num(value, fmt="{:.2f}", none="-"):
     return none if value is None else fmt.format(value)
@@ -24,7 +21,8 @@ def _ratio(row, key):
 
 def _losses(row):
     if row["status"] == "ok":
-        return "ok"
+        n = row.get("compared_steps")
+        return f"ok (first {n} step{'s' * (n > 1)})" if n else "ok"
     return f"{row['status']}: {row['detail']}"
 
 
@@ -65,23 +63,23 @@ def markdown_table(rows) -> str:
 
 
 def stats_table(rows) -> str | None:
-    """Markdown table of Terra's other stats (timing breakdown ...), if any run reported some."""
-    keys = []
-    for r in rows:
-        for k in r.get("terra_stats") or {}:
-            if k not in COUNTERS and k not in keys and k != "phase":
-                keys.append(k)
-    terra_rows = [r for r in rows if r.get("terra_stats")]
+    """Markdown table of Terra's stats over the timed steps, if any Terra mode ran."""
+    terra_rows = [r for r in rows if r.get("terra_timed")]
     if not terra_rows:
         return None
-    keys = ["phase"] + keys
+    keys = []
+    for r in terra_rows:
+        keys += [k for k in r["terra_timed"] if k not in keys]
+
+    def cell(value):
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+
     lines = ["| program | mode | " + " | ".join(keys) + " |",
              "|---|---|" + "|".join("---" for _ in keys) + "|"]
     for r in terra_rows:
-        s = r["terra_stats"]
-        vals = [(f"{s[k]:.4g}" if isinstance(s.get(k), float) else str(s.get(k, "-")))
-                for k in keys]
-        lines.append(f"| {r['program']} | {r['mode']} | " + " | ".join(vals) + " |")
+        s = r["terra_timed"]
+        lines.append(f"| {r['program']} | {r['mode']} | "
+                     + " | ".join(cell(s.get(k, "-")) for k in keys) + " |")
     return "\n".join(lines)
 
 
@@ -92,16 +90,20 @@ def markdown(rows, meta) -> str:
         f"`{meta['command']}`", "",
         f"{meta['date']} · {meta['machine']} · TensorFlow {meta['tensorflow']} · "
         f"Keras {meta['keras']} · Python {meta['python']}", "",
-        f"Config `{meta['config']}`, {meta['repeats']} paired repeats, warm-up/timed steps per "
+        f"Config `{meta['config']}`, paired repeats: {meta['repeats']}, warm-up/timed steps per "
         f"program: {counts}. "
         "steps/s is the median over repeats and +-% half its range; ratios are medians of "
-        "per-repeat ratios. Losses of every step (warm-up and timed) are compared with eager's "
-        f"of the same repeat: rtol {meta['rtol']:g}, atol {meta['atol']:g}.", "",
+        "per-repeat ratios. The losses of every step (warm-up and timed; only the first steps "
+        "where the last column says so) are compared with eager's of the same repeat: "
+        f"rtol {meta['rtol']:g}, atol {meta['atol']:g}.", "",
         markdown_table(rows),
     ]
     stats = stats_table(rows)
     if stats:
-        out += ["", "## Terra stats (median over repeats, whole run)", "", stats]
+        out += ["", "## Terra during the timed steps", "",
+                "Medians over repeats. Counters are what happened during the timed steps; "
+                "times (the runners' breakdown, Fig. 3.11) are in ms per timed step; phase is "
+                "the phase at the end.", "", stats]
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
         out += ["", "## Failures and mismatches", ""]
@@ -116,6 +118,7 @@ def bar_chart(rows, programs, modes, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     shown = [m for m in modes if m != "eager"]
     if not shown:
@@ -124,33 +127,33 @@ def bar_chart(rows, programs, modes, path: Path) -> None:
     n = len(shown)
     width = 0.8 / n
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(programs) * max(1, n / 2.5)), 4))
-    top = 1.0
+    top = max([1.0] + [v for r in rows if r["mode"] in shown for v in r["speedup"] if v])
     for j, mode in enumerate(shown):
-        xs, ys, lo, hi, marks = [], [], [], [], []
         for i, program in enumerate(programs):
             r = by_key.get((program, mode))
             x = i + (j - (n - 1) / 2) * width
             if r is None or r["status"] == "FAIL" or r["median_speedup"] is None:
-                marks.append((x, "X"))
+                ax.text(x, 0.02 * top, "X", ha="center", va="bottom", color=f"C{j}",
+                        fontweight="bold")
                 continue
             ratios = [v for v in r["speedup"] if v is not None]
             y = r["median_speedup"]
-            xs.append(x), ys.append(y), lo.append(y - min(ratios)), hi.append(max(ratios) - y)
-            top = max(top, max(ratios))
-            if r["status"] != "ok":
-                marks.append((x, "W" if r["status"] == "WRONG" else "?"))
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=MODES[mode].label,
-               color=f"C{j}")
-        for x, text in marks:
-            ax.text(x, 0.03, text, ha="center", va="bottom", color=f"C{j}", fontweight="bold")
+            wrong = r["status"] not in ("ok", "UNCHECKED")
+            ax.bar(x, y, width, yerr=[[y - min(ratios)], [max(ratios) - y]], capsize=2,
+                   color=f"C{j}", hatch="//" if wrong else None, edgecolor="white" if wrong
+                   else None)
+            text = f"{y:.2f}" + (" W" if r["status"] == "WRONG" else " ?" if wrong else "")
+            ax.text(x, max(ratios) + 0.01 * top, text, ha="center", va="bottom",
+                    fontsize="x-small", rotation=90 if n > 2 else 0)
     ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(programs)))
     ax.set_xticklabels(programs, rotation=30 if len(programs) > 4 else 0, ha="right"
                        if len(programs) > 4 else "center")
     ax.set_ylabel("training speed-up over eager")
-    ax.set_ylim(0, top * 1.1)
+    ax.set_ylim(0, top * 1.2)
     ax.set_title("X = fails, W = losses differ from eager")
-    ax.legend(fontsize="small", ncol=min(n, 3))
+    handles = [Patch(color=f"C{j}", label=MODES[m].label) for j, m in enumerate(shown)]
+    ax.legend(handles=handles, fontsize="small", ncol=min(n, 3))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,12 +9,15 @@ is printed as one JSON line prefixed with ``RESULT_TAG`` on stdout.
 from __future__ import annotations
 
 import json
+import os
+import re
 import resource
 import sys
 import time
 import traceback
 
 RESULT_TAG = "@@benchmark-result "
+PROGRAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
 
 
 def _peak_rss_mb() -> float:
@@ -32,12 +35,13 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
     from benchmarks.programs import load, run
 
     result = dict(program=program, mode=mode, config=config, steps=steps, warmup=warmup,
-                  seed=seed, rss_base_mb=_peak_rss_mb())
+                  seed=seed)
+    m = modes.MODES[mode]
     phase = "build"
     try:
-        m = modes.MODES[mode]
         cls = load(program)
         tape = modes.tape_for(m)
+        result["rss_imported_mb"] = _peak_rss_mb()  # TensorFlow, Keras, Terra loaded
         start = time.perf_counter()
         prog = cls(config, seed, tape=tape)
         step_fn = modes.step_fn_for(m, prog)
@@ -46,23 +50,44 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
         start = time.perf_counter()
         losses = run(prog, warmup, step_fn)
         result["warmup_s"] = time.perf_counter() - start
-        result["terra_stats_warmup"] = modes.terra_stats()
+        result["terra_stats_warmup"] = modes.terra_stats(m)
         phase = "timed steps"
         start = time.perf_counter()
         losses += run(prog, steps, step_fn)
         result["timed_s"] = elapsed = time.perf_counter() - start
         result["steps_per_s"] = steps / elapsed
         result["losses"] = losses
-        result["terra_stats"] = modes.terra_stats()
+        result["terra_stats"] = modes.terra_stats(m)
         if m.autograph:
             result["traces"] = step_fn.experimental_get_tracing_count()
     except Exception as e:  # reported, not handled: a failing mode is a result
-        first = (str(e).strip().splitlines() or [""])[0]
-        result["error"] = f"{type(e).__name__} during {phase}: {first[:300]}"
+        result["error"] = f"{type(e).__name__} during {phase}: {_short_message(e)}"
         result["traceback"] = traceback.format_exc()[-4000:]
-        result["terra_stats"] = modes.terra_stats()
+        result["terra_stats"] = modes.terra_stats(m)
     result["peak_rss_mb"] = _peak_rss_mb()
     return result
+
+
+def _short_message(e: Exception) -> str:
+    """The error's message in one line, with the program's ``file:line`` where it was raised.
+
+    AutoGraph wraps errors as "in user code: File ..., line N ... <Type>: <message>"; the last
+    line is the message and the quoted frame the user's location.
+    """
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    message = (lines[-1] if lines and lines[0] == "in user code:" else
+               lines[0] if lines else "")
+    message = message.removeprefix(f"{type(e).__name__}: ")[:300]
+    where = None
+    for line in lines:
+        match = re.match(r'File "([^"]+)", line (\d+)', line)
+        if match and PROGRAMS_DIR in match.group(1):
+            where = f"{os.path.basename(match.group(1))}:{match.group(2)}"
+    if where is None:
+        for frame in traceback.extract_tb(e.__traceback__):
+            if PROGRAMS_DIR in frame.filename:
+                where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return f"{message} ({where})" if where else message
 
 
 def main(argv: list[str]) -> int:
@@ -74,4 +99,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Exit now: a runner thread left blocked by a failed run must not keep the process (and its
+    # already printed result) alive until the harness's timeout.
+    sys.stderr.flush()
+    os._exit(code)

@@ -4,7 +4,9 @@
 does) and the step lowers it linearly from 1.0 with ``set_keep_prob``. The layer also takes a
 Python branch on it (no dropping at ``keep_prob == 1``). Under ``tf.function`` the attribute is
 read once, while tracing: AutoGraph silently keeps the first value (Python object mutation,
-paper Table 3.1).
+paper Table 3.1). (On its first call ``tf.function`` traces twice, the first time to create the
+optimizer's variables, so the step counter advances twice and the frozen value is the second
+one, 0.996: the losses differ from eager's from the first step on.)
 """
 
 import keras

@@ -102,7 +102,7 @@ class FasterRCNN(Program):
             y1, x1 = self.rng.uniform(0, h - bh), self.rng.uniform(0, w - bw)
             boxes[i] = (y1, x1, y1 + bh, x1 + bw)
             classes[i] = self.rng.integers(0, self.cfg.classes)
-            image[0, int(y1):int(y1 + bh), int(x1):int(x1 + bw), classes[i]] += 0.7
+            image[0, int(y1):int(y1 + bh), int(x1):int(x1 + bw), classes[i] % 3] += 0.7
         return tf.constant(image), tf.constant(boxes), tf.constant(classes)
 
     def anchor_grid(self, h, w):

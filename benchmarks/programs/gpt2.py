@@ -78,8 +78,11 @@ class GPT2(Program):
                     nxt = self.rng.integers(1, c.vocab)
                 seq.append(int(nxt))
             sequences.append(np.array(seq, np.int32))
-        dataset = tf.data.Dataset.from_generator(
-            lambda: iter(sequences), output_signature=tf.TensorSpec([None], tf.int32))
+        lengths = np.array([len(s) for s in sequences], np.int32)
+        padded = np.zeros((len(sequences), lengths.max()), np.int32)
+        for row, seq in zip(padded, sequences, strict=True):
+            row[:len(seq)] = seq
+        dataset = tf.data.Dataset.from_tensor_slices((padded, lengths)).map(lambda s, n: s[:n])
         # A bucket pads to its boundary - 1 = model-input length + 1 (inputs, targets shifted).
         self.dataset = dataset.bucket_by_sequence_length(
             lambda s: tf.shape(s)[0], bucket_boundaries=[b + 2 for b in c.buckets],

@@ -3,8 +3,8 @@
 The loss decodes boxes per scale, selects responsible anchors and the ignore set with boolean
 masks (``tf.boolean_mask``, i.e. ``Where``), and the upsampling path uses nearest-neighbour
 resizing. The step returns its loss terms and, like the original loop, the loop body logs them
-with ``.numpy()`` after every step (``after_step``). AutoGraph handles the step (the logging is
-outside it); XLA cannot compile ``Where`` efficiently.
+with ``.numpy()`` after every step (``after_step``): under Terra these are fetches. AutoGraph
+handles the step (the logging is outside it); the paper found XLA clusters this model poorly.
 """
 
 import logging
@@ -88,7 +88,8 @@ class YOLOv3(Program):
         c = self.cfg
         self.model = darknet_yolo(c.size, c.width, c.classes)
         self.anchors = ANCHORS * (c.size / 64)
-        self.optimizer = keras.optimizers.Adam(1e-3)
+        self.lr_init, self.lr_end = 1e-4, 1e-6
+        self.optimizer = keras.optimizers.Adam(self.lr_init)
         self.global_steps = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.warmup_steps, self.total_steps = 20, 1000
         self.step = 0
@@ -170,8 +171,8 @@ class YOLOv3(Program):
         self.global_steps.assign_add(1)
         steps = tf.cast(self.global_steps, tf.float32)
         lr = tf.where(
-            steps < self.warmup_steps, steps / self.warmup_steps * 1e-3,
-            1e-6 + 0.5 * (1e-3 - 1e-6) * (1 + tf.cos(
+            steps < self.warmup_steps, steps / self.warmup_steps * self.lr_init,
+            self.lr_end + 0.5 * (self.lr_init - self.lr_end) * (1 + tf.cos(
                 (steps - self.warmup_steps) / (self.total_steps - self.warmup_steps) * math.pi)))
         self.optimizer.learning_rate.assign(lr)
         return total_loss, giou_loss, conf_loss, prob_loss
