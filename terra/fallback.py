@@ -9,6 +9,7 @@ handed to Python gets its real value.
 """
 
 from tensorflow.python.eager import context, execute
+from tensorflow.python.framework import constant_op, dtypes
 from tensorflow.python.util import nest
 
 from terra.tracegraph import NodeKind
@@ -79,8 +80,6 @@ def replay(log, recorder):
 
 
 def _tensor(x, slot):
-    from tensorflow.python.framework import constant_op, dtypes
-
     if x is None or hasattr(x, "_id"):
         return x
     return constant_op.constant(x, dtype=dtypes.as_dtype(slot.dtype))

@@ -36,8 +36,7 @@ _IGNORED_KEY_ATTRS = frozenset({"seed2"})
 class OpInfo:
     """Cached facts about one op type."""
 
-    __slots__ = ("name", "op_def", "n_inputs", "list_inputs", "attr_types", "in_graph",
-                 "out_number_attrs")
+    __slots__ = ("name", "op_def", "n_inputs", "list_inputs", "attr_types", "in_graph")
 
     def __init__(self, name, op_def):
         self.name = name

@@ -56,12 +56,11 @@ class Iteration:
 class Entry:
     """Hook-table entry of a tensor the PythonRunner handed to Python."""
 
-    __slots__ = ("runner", "iteration", "step", "out", "value", "ref")
+    __slots__ = ("runner", "iteration", "step", "out", "value")
 
     def __init__(self, runner, iteration, step, out, value=None):
         self.runner, self.iteration, self.step, self.out = runner, iteration, step, out
         self.value = value  # the real EagerTensor once known
-        self.ref = None
 
     @property
     def node(self):
@@ -189,12 +188,13 @@ class PythonRunner:
         return step
 
     def _check_attrs(self, step, op_type, raw, cache):
-        given = opdefs.key_attrs(opdefs.normalize_attrs(op_type, raw))
+        normalized = opdefs.normalize_attrs(op_type, raw)
+        given = opdefs.key_attrs(normalized)
         recorded = dict(step.attrs)
         for name, value in given:
             if name in recorded and recorded[name] != value:
                 raise Mismatch(f"attribute {name} of {op_type} changed")
-        if cache and len(given) == len(opdefs.normalize_attrs(op_type, raw)):
+        if cache and len(given) == len(normalized):  # per-call seeds are never cached
             step.fp_attrs = raw
 
     def _validate(self, step, flat, feed=True):

@@ -12,6 +12,7 @@ import dataclasses
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import nest
 
 from terra import fallback as fallback_lib
 from terra import interception, materialize
@@ -173,8 +174,6 @@ class Runtime:
             self.recorder.mark("watch", tape.mark_attrs, tensors)
 
     def tape_gradient(self, tape, target, sources, output_gradients, unconnected):
-        from tensorflow.python.util import nest
-
         flat_sources = nest.flatten(sources)
         attrs = (tape.mark_attrs, len(nest.flatten(target)), len(flat_sources),
                  output_gradients is None, str(unconnected))
@@ -192,8 +191,6 @@ class Runtime:
                                     user_location(), attrs)
 
     def _swap_all(self, structure):
-        from tensorflow.python.util import nest
-
         return nest.map_structure(
             lambda x: self.tracing_door._arg(x) if type(x) is _EagerTensor else x, structure)
 
@@ -363,8 +360,6 @@ class Runtime:
 def grad_tensors(target, sources, output_gradients):
     """The tensors a gradient call depends on, as validated inputs: targets, sources (a
     variable as its handle) and output gradients."""
-    from tensorflow.python.util import nest
-
     flat = nest.flatten(target) + nest.flatten(sources)
     if output_gradients is not None:
         flat += nest.flatten(output_gradients)

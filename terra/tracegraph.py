@@ -67,7 +67,7 @@ class Slot:
         self.ids.add(t._id)
         if not self.values_vary and t._num_elements() <= SMALL_CONST and \
                 t.dtype != dtypes.string and t.dtype != dtypes.variant:
-            value = t._numpy_internal() if hasattr(t, "_numpy_internal") else t.numpy()
+            value = t._numpy_internal()  # bypasses the materialization hook
             if self.value is None:
                 self.value = np.array(value)
                 self.pyvalue = self.value.item() if self.value.ndim == 0 else None
