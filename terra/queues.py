@@ -1,14 +1,21 @@
 """Input Feeding / Output Fetching channels: one unbounded TF FIFO queue per point.
 
 Unbounded because a bounded queue deadlocks when the graph produces a value Python never
-reads (DESIGN.md §6). Terra's own queue ops go straight to ``quick_execute`` /
-``execute_with_cancellation`` so the interception doors never see them.
+reads (DESIGN.md §6). Every queue gets its own ``shared_name``: eagerly created queues with
+equal attributes otherwise share one resource (the kernel is cached and creates its queue
+once), and two fetch points of the same shape would swap values.
+
+Terra's own queue ops go straight to ``quick_execute`` / ``execute_with_cancellation`` so
+the interception doors never see them.
 """
 
+import itertools
 import threading
 
 from tensorflow.python.eager import context, execute
 from tensorflow.python.ops import gen_data_flow_ops
+
+_ids = itertools.count()
 
 
 class Channel:
@@ -20,7 +27,8 @@ class Channel:
         self.dtype, self.shape = dtype, shape
         exact = shape is not None and None not in shape
         self.handle = gen_data_flow_ops.fifo_queue_v2(
-            component_types=[dtype], shapes=[list(shape)] if exact else [], capacity=-1)
+            component_types=[dtype], shapes=[list(shape)] if exact else [], capacity=-1,
+            shared_name=f"terra_channel_{next(_ids)}")
         self.lock = threading.Lock()
         self.taken = 0  # values dequeued so far (fetch channels)
         self._attrs = ("component_types", [dtype], "timeout_ms", -1)
