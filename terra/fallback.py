@@ -32,7 +32,8 @@ def restore(job, timeout):
 def _flat_attrs(attrs):
     flat = []
     for name, value in attrs:
-        flat.extend((name, list(value) if isinstance(value, tuple) else value))
+        if value is not None:  # an attr left at its default
+            flat.extend((name, list(value) if isinstance(value, tuple) else value))
     return tuple(flat)
 
 

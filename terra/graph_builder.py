@@ -91,7 +91,7 @@ def _snapshot_function(written):
 def _attr_protos(node):
     types = opdefs.info(node.op_type).attr_types
     return {name: opdefs.attr_value(types[name], value)
-            for name, value in node.attrs if name in types}
+            for name, value in node.attrs if name in types and value is not None}
 
 
 def _var_dtype(node):

@@ -66,6 +66,8 @@ def op_name(op_type) -> str:
 
 
 def _norm(kind: str, value):
+    if value is None:  # fast-path callers may pass None for an attr left at its default
+        return None
     if kind.startswith("list("):
         inner = kind[5:-1]
         return tuple(_norm(inner, v) for v in value)

@@ -37,6 +37,11 @@ class Mismatch(Exception):
         self.reason = reason
 
 
+class PathEnded(Mismatch):
+    """An op arrived after the whole recorded path had been matched: the loop is over, or
+    this iteration does more than the traced ones did after their last recorded op."""
+
+
 class IterationAborted(RuntimeError):
     """A value was asked of an iteration whose graph work was discarded."""
 
@@ -68,6 +73,22 @@ class Entry:
 
     def numpy(self, tensor):
         return self.runner.original_numpy(self.runner.value_of(self))
+
+
+_SCALARS = (int, float, bool)
+
+
+def _converts_to(a, value):
+    """Whether TF's conversion of the Python value ``a`` gives the constant ``value``: in the
+    constant's dtype (0.99 becomes float32 0.99), and only where TF converts exactly (a
+    float never becomes an integer constant)."""
+    try:
+        converted = np.asarray(a, dtype=value.dtype)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    if value.dtype.kind in "iub" and not np.array_equal(converted, np.asarray(a)):
+        return False
+    return converted.shape == value.shape and np.array_equal(converted, value)
 
 
 def _shape_ok(shape, want):
@@ -182,7 +203,7 @@ class PythonRunner:
         try:
             step = self.steps[self.pos]
         except IndexError:
-            raise Mismatch(f"{op_type} after the end of the recorded iteration") from None
+            raise PathEnded(f"{op_type} after the end of the recorded iteration") from None
         if step.op_type != op_type or step.kind is not kind:
             raise Mismatch(f"expected {step.op_type}, got {op_type}")
         return step
@@ -212,52 +233,52 @@ class PythonRunner:
                 if kind == "node":
                     if e is None or e.step.node is not slot.node or e.out != slot.out \
                             or e.iteration is not it:
-                        raise Mismatch(f"input {i} of {step.op_type} has a new producer")
+                        raise _bad(step, i, "has a new producer")
                     log.append(e)
                     continue
                 if e is not None:
                     if e.iteration is it:
-                        raise Mismatch(f"input {i} of {step.op_type} has a new producer")
+                        raise _bad(step, i, "has a new producer")
                     a = self.value_of(e)
                 if kind == "same":
                     if it.fed.get((slot.node, slot.out)) != a._id:
-                        raise Mismatch(f"input {i} of {step.op_type} is a different tensor")
+                        raise _bad(step, i, "is a different tensor")
                     log.append(a)
                     continue
                 it.fed[(step.node, i)] = a._id
                 if kind == "var" or kind == "capture":
                     if a._id != slot.tensor._id:
-                        raise Mismatch(f"input {i} of {step.op_type} is a different tensor")
+                        raise _bad(step, i, "is a different tensor")
                 elif a._datatype_enum() != slot.dtype:
-                    raise Mismatch(f"input {i} of {step.op_type} changed dtype")
+                    raise _bad(step, i, "changed dtype")
                 elif kind == "const":
                     if not np.array_equal(a._numpy_internal(), slot.value):
-                        raise Mismatch(f"input {i} of {step.op_type}: constant value changed")
+                        raise _bad(step, i, "constant value changed")
                 elif kind == "feed":
                     if not _shape_ok(a._shape_tuple(), slot.shape):
-                        raise Mismatch(f"input {i} of {step.op_type} changed shape")
+                        raise _bad(step, i, "changed shape")
                     if feed and step.feed[i] is not None:
                         step.feed[i].put(a)
                 else:
-                    raise Mismatch(f"input {i} of {step.op_type} has a new producer")
+                    raise _bad(step, i, "has a new producer")
                 log.append(a)
             elif kind == "const":
-                if slot.pyvalue is not None and isinstance(a, (int, float, bool)):
-                    if a != slot.pyvalue:
-                        raise Mismatch(f"input {i} of {step.op_type}: constant value changed")
-                elif not np.array_equal(np.asarray(a), slot.value):
-                    raise Mismatch(f"input {i} of {step.op_type}: constant value changed")
+                scalar = type(a) in _SCALARS
+                if not (scalar and a in slot.accepted):
+                    if not _converts_to(a, slot.value):
+                        raise _bad(step, i, "constant value changed")
+                    if scalar:
+                        slot.accepted.add(a)
                 log.append(a)
             elif kind == "feed":
                 t = constant_op.constant(a, dtype=dtypes.as_dtype(slot.dtype))
                 if not _shape_ok(t._shape_tuple(), slot.shape):
-                    raise Mismatch(f"input {i} of {step.op_type} changed shape")
+                    raise _bad(step, i, "changed shape")
                 if feed and step.feed[i] is not None:
                     step.feed[i].put(t)
                 log.append(t)
             else:
-                raise Mismatch(f"input {i} of {step.op_type} is a Python value, "
-                               f"recorded a {kind}")
+                raise _bad(step, i, f"is a Python value, recorded a {kind}")
         return log
 
     # -- outputs ------------------------------------------------------------------------
@@ -416,6 +437,10 @@ class GraphFailed(Exception):
     def __init__(self, job):
         super().__init__(str(job.error))
         self.job = job
+
+
+def _bad(step, i, what):
+    return Mismatch(f"input {i} of {step.op_type} {step.node!r} {what}")
 
 
 def _where(step):

@@ -20,7 +20,7 @@ from terra.config import config
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import user_location
-from terra.python_runner import GraphFailed, Iteration, Mismatch, PythonRunner
+from terra.python_runner import GraphFailed, Iteration, Mismatch, PathEnded, PythonRunner
 from terra.trace import Recorder
 from terra.tracegraph import TraceGraph
 
@@ -87,6 +87,8 @@ class CoexecDoor:
         rt = self.runtime
         try:
             return rt.runner.fast(ctx, op_type, name, args)
+        except PathEnded as m:
+            rt.path_ended(m)
         except (Mismatch, GraphFailed) as m:
             rt.leave(m)
         return rt.tracing_door.fast(ctx, op_type, name, args)
@@ -95,6 +97,8 @@ class CoexecDoor:
         rt = self.runtime
         try:
             return rt.runner.slow(op_type, num_outputs, inputs, attrs, ctx, name)
+        except PathEnded as m:
+            rt.path_ended(m)
         except (Mismatch, GraphFailed) as m:
             rt.leave(m)
         return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
@@ -216,16 +220,34 @@ class Runtime:
             if not self.runner.at_end():
                 self.leave(Mismatch("the iteration ended before the recorded one did"))
             else:
-                self.runner.it.done_path = True
-                uncovered = self.runner.finish()
-                if uncovered:  # the replay gives every one of them its value
-                    self.leave(Mismatch("a tensor outlived its iteration but the graph does "
-                                        "not return it"))
-                else:
-                    self.stats.coexecuted += 1
-                    self.runner.it = None
+                self._close_iteration()
         if self.phase == "tracing" and self.recorder is not None:
             self._finish_trace()
+
+    def _close_iteration(self):
+        """The whole path was matched: sweep the iteration's stand-ins (falling back if one
+        that Python still holds has no value the graph returns) and count it."""
+        self.runner.it.done_path = True
+        uncovered = self.runner.finish()
+        if uncovered:  # the replay gives every one of them its value
+            self.leave(Mismatch("a tensor outlived its iteration but the graph does not "
+                                "return it"))
+        else:
+            self.stats.coexecuted += 1
+            self.runner.it = None
+
+    def path_ended(self, why):
+        """An op after the end of the matched path, with no tape open: the iteration is
+        complete (typically the loop is over and Python reads results). Close it, let the
+        graph finish every queued iteration, and run the op eagerly, untraced, like any op
+        between iterations. With a tape open the op may need recording: fall back."""
+        if self.open_tapes:
+            self.leave(why)
+            return
+        self._close_iteration()
+        if self.phase == "coexecution":
+            self._throttle(0)
+            interception.set_handler(self.tracing_door)
 
     def _start_recording(self):
         self.recorder = Recorder(_tensors, _original_numpy)
@@ -271,9 +293,9 @@ class Runtime:
         self.events.append(("eager", reason, None))
         self.phase = "eager"
 
-    def _throttle(self):
-        """Keep at most one finished-in-Python iteration ahead of the graph."""
-        while len(self.jobs) > 1:
+    def _throttle(self, ahead=1):
+        """Keep at most ``ahead`` finished-in-Python iterations ahead of the graph."""
+        while len(self.jobs) > ahead:
             job = self.jobs.pop(0)
             if not job.done.wait(config.timeout):
                 raise TimeoutError("Terra: the graph did not finish an iteration in time")
@@ -297,6 +319,11 @@ class Runtime:
         """Fallback (paper §3.2.1): cancel, restore, replay the matched prefix, trace on."""
         runner = self.runner
         it = runner.it
+        if it is None:  # the iteration was closed early (path_ended): nothing to replay
+            if isinstance(why, GraphFailed):
+                self._raise_graph_error(why.job)
+            raise RuntimeError(f"Terra: {why} at {user_location()}, after the iteration it "
+                               "belongs to had ended; its tape was never run for real")
         job = it.job
         self.graph_runner.cancel(job)
         fallback_lib.restore(job, config.timeout)

@@ -39,14 +39,15 @@ class NodeKind(enum.Enum):
 class Slot:
     """Where one input of a node comes from."""
 
-    __slots__ = ("kind", "node", "out", "tensor", "value", "pyvalue", "dtype", "shape",
+    __slots__ = ("kind", "node", "out", "tensor", "value", "accepted", "dtype", "shape",
                  "ids", "values_vary")
 
     def __init__(self, kind, node=None, out=0, tensor=None):
         self.kind = kind  # "node" | "var" | "const" | "capture" | "feed" | "same"
         # "same": the value of input ``out`` of ``node`` (an external value read again)
         self.node, self.out, self.tensor = node, out, tensor
-        self.value = self.pyvalue = None
+        self.value = None
+        self.accepted = set()  # Python scalars known to convert to ``value`` (const slots)
         self.dtype = self.shape = None
         self.ids = set()
         self.values_vary = False
@@ -70,7 +71,6 @@ class Slot:
             value = t._numpy_internal()  # bypasses the materialization hook
             if self.value is None:
                 self.value = np.array(value)
-                self.pyvalue = self.value.item() if self.value.ndim == 0 else None
             elif not np.array_equal(self.value, value):
                 self.values_vary = True
         else:
@@ -209,49 +209,106 @@ class TraceGraph:
 
     def merge(self, records: list[OpRecord]):
         """Merge one trace. Returns ``(covered, path)``: whether nothing had to be added, and
-        the nodes the trace went through, start and end excluded."""
+        the nodes the trace went through, start and end excluded.
+
+        TF's backward pass visits ready ops in an order that can differ between iterations, so
+        a gradient region whose head matches is first matched as a whole, order aside
+        (:meth:`_match_body`); the path then follows the existing nodes' order."""
         covered = True
         cur = self.start
-        rec_nodes: list[TraceNode] = []
-        for rec in records:
+        rec_nodes: list[TraceNode] = []  # record index -> node
+        path: list[TraceNode] = []
+        i = 0
+        while i < len(records):
+            rec = records[i]
             node = next((n for n in cur.succs if self._matches(n, rec, rec_nodes)), None)
             if node is None:
                 covered = False
-                node = self._new_node(NodeKind(rec.kind), rec)
-                for ref in rec.inputs:
-                    if ref[0] == "op":
-                        node.inputs.append(Slot("node", rec_nodes[ref[1]], ref[2]))
-                    elif ref[0] == "var":
-                        node.inputs.append(Slot("var", tensor=ref[1]))
-                    elif ref[0] == "same":
-                        node.inputs.append(Slot("same", rec_nodes[ref[1]], ref[2]))
-                    else:
-                        slot = Slot.external(ref[1])
-                        if slot.kind == "feed":
-                            slot.kind, slot.tensor = "capture", ref[1]  # until seen twice
-                        node.inputs.append(slot)
+                node = self._add(rec, rec_nodes)
                 self._link(cur, node)
             else:
-                for slot, ref in zip(node.inputs, rec.inputs):
-                    if ref[0] == "ext":
-                        slot.observe(ref[1])
-            sig = _in_shapes(rec, records)
-            if node.sigs.setdefault(sig, rec.out_specs) != rec.out_specs:
-                node.sigs[sig] = rec.out_specs  # same inputs, new output shapes: data-dependent
-            node.out_specs = rec.out_specs
-            node.fetched |= rec.fetched
-            node.escaped |= rec.escaped
-            if rec.kind == "grad":
-                node.body_len = rec.body_len
+                self._observe(node, rec)
+            self._absorb(node, rec, records)
             rec_nodes.append(node)
+            path.append(node)
             cur = node
+            i += 1
+            if rec.kind == "grad" and node.succs:
+                body = self._match_body(node, records, i, rec_nodes)
+                if body is not None:
+                    for j in range(i, i + len(body)):
+                        self._observe(rec_nodes[j], records[j])
+                        self._absorb(rec_nodes[j], records[j], records)
+                    path.extend(body)
+                    cur = body[-1] if body else node
+                    i += len(body)
         for rec, node in zip(records, rec_nodes):
             if rec.kind == "grad":
                 node.results = [_resolve_result(r, rec_nodes) for r in rec.results]
         if self.end not in cur.succs:
             covered = False
             self._link(cur, self.end)
-        return covered, rec_nodes
+        return covered, path
+
+    def _add(self, rec, rec_nodes):
+        node = self._new_node(NodeKind(rec.kind), rec)
+        for ref in rec.inputs:
+            if ref[0] == "op":
+                node.inputs.append(Slot("node", rec_nodes[ref[1]], ref[2]))
+            elif ref[0] == "var":
+                node.inputs.append(Slot("var", tensor=ref[1]))
+            elif ref[0] == "same":
+                node.inputs.append(Slot("same", rec_nodes[ref[1]], ref[2]))
+            else:
+                slot = Slot.external(ref[1])
+                if slot.kind == "feed":
+                    slot.kind, slot.tensor = "capture", ref[1]  # until seen twice
+                node.inputs.append(slot)
+        return node
+
+    @staticmethod
+    def _observe(node, rec):
+        """Fold the external values of one more observation into the slots' classes."""
+        for slot, ref in zip(node.inputs, rec.inputs):
+            if ref[0] == "ext":
+                slot.observe(ref[1])
+
+    @staticmethod
+    def _absorb(node, rec, records):
+        """Fold what one observation of ``node`` adds: shapes, fetches, escapes."""
+        sig = _in_shapes(rec, records)
+        if node.sigs.setdefault(sig, rec.out_specs) != rec.out_specs:
+            node.sigs[sig] = rec.out_specs  # same inputs, new output shapes: data-dependent
+        node.out_specs = rec.out_specs
+        node.fetched |= rec.fetched
+        node.escaped |= rec.escaped
+        if rec.kind == "grad":
+            node.body_len = rec.body_len
+
+    def _match_body(self, head, records, first, rec_nodes):
+        """Match the gradient region after ``head`` (records ``first`` on) against the
+        existing body that follows ``head``, in any order consistent with the data flow.
+        On success extend ``rec_nodes`` and return the existing body nodes in their order;
+        otherwise return None (the caller then matches op by op and may branch)."""
+        n = records[first - 1].body_len
+        body, cur = [], head
+        for _ in range(n):
+            if len(cur.succs) != 1:
+                return None
+            cur = cur.succs[0]
+            body.append(cur)
+        if n != head.body_len or first + n > len(records):
+            return None
+        free = list(body)
+        mapped = list(rec_nodes)
+        for rec in records[first:first + n]:
+            node = next((c for c in free if self._matches(c, rec, mapped)), None)
+            if node is None:
+                return None
+            free.remove(node)
+            mapped.append(node)
+        rec_nodes[:] = mapped
+        return body
 
     def topological(self):
         indeg = {n: len(n.preds) for n in self.nodes}

@@ -17,20 +17,26 @@ _Base = ops._EagerTensorBase
 
 
 @pytest.fixture
-def standins():
-    """Install with a resolver returning the registered "true" value; uninstall afterwards."""
+def unhooked():
+    """No hook installed during the test; a Terra runtime's global hook is put back after."""
     runtime_hook = materialize.installed()  # a Terra test ran first: its hook stays global
     materialize.uninstall()
+    yield
+    if runtime_hook:
+        from terra import runtime
+
+        materialize.install(runtime._tensors, runtime._resolve)
+
+
+@pytest.fixture
+def standins(unhooked):
+    """Install with a resolver returning the registered "true" value; uninstall afterwards."""
     table = {}
     originals = {name: _Base.__dict__[name] for name in ("_numpy", "__array__", "__dlpack__")}
     materialize.install(table, lambda t: table[t._id])
     yield table
     materialize.uninstall()
     assert {name: _Base.__dict__[name] for name in originals} == originals
-    if runtime_hook:
-        from terra import runtime
-
-        materialize.install(runtime._tensors, runtime._resolve)
 
 
 def _printed(x):
@@ -143,7 +149,7 @@ def test_dict_is_live(standins):
     np.testing.assert_array_equal(np.asarray(t), [1, 2])
 
 
-def test_uninstall_restores_and_both_are_idempotent():
+def test_uninstall_restores_and_both_are_idempotent(unhooked):
     table = {}
     t = tf.constant([1.0, 2.0])
     table[t._id] = np.array([7.0, 7.0], np.float32)
