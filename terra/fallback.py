@@ -9,7 +9,7 @@ handed to Python gets its real value.
 """
 
 from tensorflow.python.eager import context, execute
-from tensorflow.python.framework import constant_op, dtypes
+from tensorflow.python.framework import constant_op, dtypes, errors
 from tensorflow.python.util import nest
 
 from terra.tracegraph import NodeKind
@@ -70,14 +70,26 @@ def replay(log, recorder):
                         if tape.watch_accessed_variables and tape.real is not None:
                             tape.real.watch(args[0])
                 attrs = _flat_attrs(node.attrs)
-                results = execute.execute_with_callbacks(
-                    node.op_type, len(node.out_specs), args, attrs, ctx)
+                try:
+                    results = execute.execute_with_callbacks(
+                        node.op_type, len(node.out_specs), args, attrs, ctx)
+                except errors.OpError as e:  # the graph failed here: eager fails the same way
+                    recorder.aborted = True
+                    raise _at_user_line(e, node.location) from None
                 if execute.must_record_gradient():
                     execute.record_gradient(node.op_type, args, attrs, results)
                 for entry, r in zip(outs, results):
                     entry.value = r
         finally:
             recorder.location_override = None
+
+
+def _at_user_line(error, location):
+    """The same error type, its message naming the user's line that issued the op."""
+    where = f"{location.file}:{location.line} ({location.func})" if location else "unknown"
+    return type(error)(error.node_def, error.op,
+                       f"{error.message}\n  raised by the op issued at {where}; Terra ran it "
+                       "in its graph and re-ran the iteration eagerly up to it")
 
 
 def _tensor(x, slot):

@@ -119,9 +119,9 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
             for i, slot in enumerate(step.slots):
                 if slot.kind == "feed" and step.kind == NodeKind.OP and not step.python:
                     step.feed[i] = Channel(slot.dtype, slot.shape)
-            for k, (shape, dtype) in enumerate(step.out_specs):
+            for k, (_, dtype) in enumerate(step.out_specs):
                 if step.python and (node, k) in graph_consumed:
-                    step.out_feed[k] = Channel(dtype, shape)
+                    step.out_feed[k] = Channel(dtype, node.out_relaxed[k])
 
     outputs = []
     written = {}

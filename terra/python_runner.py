@@ -42,6 +42,15 @@ class PathEnded(Mismatch):
     this iteration does more than the traced ones did after their last recorded op."""
 
 
+class RanThenMismatch(Mismatch):
+    """A Python-run op ran for real and its outputs do not fit the graph: fall back, then
+    hand Python this ``result`` (running the op again would repeat its side effects)."""
+
+    def __init__(self, reason: str, result):
+        super().__init__(reason)
+        self.result = result
+
+
 class IterationAborted(RuntimeError):
     """A value was asked of an iteration whose graph work was discarded."""
 
@@ -72,7 +81,16 @@ class Entry:
         return self.step.node
 
     def numpy(self, tensor):
-        return self.runner.original_numpy(self.runner.value_of(self))
+        runner = self.runner
+        try:
+            value = runner.value_of(self)
+        except GraphFailed as g:
+            runner.fallback(g)  # replays this iteration; raises the op's error if it ran
+            value = self.value
+            if value is None:
+                raise IterationAborted(f"the value of {self.step.op_type} at "
+                                       f"{_where(self.step)} is unavailable") from g
+        return runner.original_numpy(value)
 
 
 _SCALARS = (int, float, bool)
@@ -106,7 +124,7 @@ class PythonRunner:
         self.original_numpy = original_numpy
         self.watchdog = watchdog
         self.timeout = timeout
-        self.fallback = fallback  # runtime callback: (reason) -> None, leaves co-execution
+        self.fallback = fallback  # runtime callback: (Mismatch | GraphFailed) -> None
         self.ctx = context.context()
         self.device = self.ctx.device_name or "/job:localhost/replica:0/task:0/device:CPU:0"
         self._dummies = {}
@@ -174,7 +192,7 @@ class PythonRunner:
             raise Mismatch(f"tape {what} with different settings")
         inputs = self._validate(step, list(tensors), feed=False)
         self.it.log.append((step, inputs, (), extra))
-        self.pos += 1
+        self._advance(1)
 
     def gradient(self, attrs, tensors, extra):
         """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""
@@ -182,7 +200,6 @@ class PythonRunner:
         if step.attrs != attrs:
             raise Mismatch("gradient call with different arguments")
         inputs = self._validate(step, list(tensors), feed=False)
-        self.pos += 1 + step.body_len
         flat = []
         for r in step.results:
             if r is None:
@@ -196,7 +213,20 @@ class PythonRunner:
                   for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices")
                             else (g,)) if x is not None]
         self.it.log.append((step, inputs, leaves, extra))
+        self._advance(1 + step.body_len)
         return flat
+
+    def _advance(self, n):
+        """Move past matched steps. The last step of the path waits for the graph to finish
+        the iteration, so a graph-side error is raised inside the iteration that caused it."""
+        self.pos += n
+        if self.pos == len(self.steps):
+            step = self.steps[-1]
+            try:
+                self._wait_job(self.it.job, step)
+            except GraphFailed as g:
+                g.at_end = True
+                raise
 
     # -- validation ---------------------------------------------------------------------
     def _expect(self, kind, op_type):
@@ -325,7 +355,7 @@ class PythonRunner:
         if step.dynamic:
             outs = [self._fetch_now(step, k, s) for k, s in enumerate(outs)]
         self.it.log.append((step, inputs, entries, None))
-        self.pos += 1
+        self._advance(1)
         if not fast:
             return outs
         return _pack_fast(info, step, outs)
@@ -344,6 +374,17 @@ class PythonRunner:
         flat_outs = []
         for o in outs:
             flat_outs.extend(o if isinstance(o, (list, tuple)) else [o])
+        self.it.log.append((step, inputs, flat_outs, None))
+        self._advance(1)
+        relaxed = step.node.out_relaxed
+        if len(flat_outs) != len(relaxed):
+            raise RanThenMismatch(f"{step.op_type} {step.node!r} returned {len(flat_outs)} "
+                                  f"outputs, recorded {len(relaxed)}", result)
+        for k, t in enumerate(flat_outs):
+            if t._datatype_enum() != step.out_specs[k][1] or \
+                    not _shape_ok(t._shape_tuple(), relaxed[k]):
+                raise RanThenMismatch(f"output {k} of {step.op_type} {step.node!r} has a new "
+                                      f"shape or dtype", result)
         for k, t in enumerate(flat_outs):
             e = Entry(self, self.it, step, k, value=t)
             self.tensors[t._id] = e
@@ -351,8 +392,6 @@ class PythonRunner:
             channel = step.out_feed[k]
             if channel is not None:
                 channel.put(t)
-        self.it.log.append((step, inputs, flat_outs, None))
-        self.pos += 1
         return result
 
     # -- values -------------------------------------------------------------------------
@@ -383,7 +422,8 @@ class PythonRunner:
             raise IterationAborted(
                 f"the value of {step.op_type} at {_where(step)} is unavailable: its "
                 "iteration ended before the value was recorded as needed")
-        self.fallback(f"new fetch point: value of {step.op_type} ({_where(step)})")
+        self.fallback(Mismatch(f"new fetch point: value of {step.op_type} {step.node!r} "
+                               f"({_where(step)})"))
         return e.value
 
     def _wait(self, fetch, step):
@@ -432,11 +472,13 @@ class PythonRunner:
 
 
 class GraphFailed(Exception):
-    """The graph raised while running an iteration; carries the job."""
+    """The graph raised while running an iteration; carries the job. ``at_end``: noticed
+    when Python had issued every op of the iteration (so the failing op is among them)."""
 
     def __init__(self, job):
         super().__init__(str(job.error))
         self.job = job
+        self.at_end = False
 
 
 def _bad(step, i, what):

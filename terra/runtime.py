@@ -20,7 +20,14 @@ from terra.config import config
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import user_location
-from terra.python_runner import GraphFailed, Iteration, Mismatch, PathEnded, PythonRunner
+from terra.python_runner import (
+    GraphFailed,
+    Iteration,
+    Mismatch,
+    PathEnded,
+    PythonRunner,
+    RanThenMismatch,
+)
 from terra.trace import Recorder
 from terra.tracegraph import TraceGraph
 
@@ -89,6 +96,9 @@ class CoexecDoor:
             return rt.runner.fast(ctx, op_type, name, args)
         except PathEnded as m:
             rt.path_ended(m)
+        except RanThenMismatch as m:
+            rt.leave(m)
+            return m.result
         except (Mismatch, GraphFailed) as m:
             rt.leave(m)
         return rt.tracing_door.fast(ctx, op_type, name, args)
@@ -99,6 +109,9 @@ class CoexecDoor:
             return rt.runner.slow(op_type, num_outputs, inputs, attrs, ctx, name)
         except PathEnded as m:
             rt.path_ended(m)
+        except RanThenMismatch as m:
+            rt.leave(m)
+            return m.result
         except (Mismatch, GraphFailed) as m:
             rt.leave(m)
         return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
@@ -116,7 +129,6 @@ class Runtime:
         self.graph_index = 0
         self.unsupported = None
         self.events = []  # fallbacks and other notes for explain()
-        self.jobs = []  # in-flight jobs, oldest first
         self.ctx = context.context()
         self._graph_runner = None
         self._watchdog = None
@@ -206,11 +218,10 @@ class Runtime:
         if self.phase == "tracing":
             self._start_recording()
         elif self.phase == "coexecution":
-            self._throttle()
+            # the previous iteration's job is done: the runner waits for it at its path's end
             job = Job(self.graph)
             it = Iteration(self.graph_index, job)
             self.graph_index += 1
-            self.jobs.append(job)
             self.graph_runner.submit(job)
             self.runner.begin(it)
             interception.set_handler(self.coexec_door)
@@ -238,15 +249,14 @@ class Runtime:
 
     def path_ended(self, why):
         """An op after the end of the matched path, with no tape open: the iteration is
-        complete (typically the loop is over and Python reads results). Close it, let the
-        graph finish every queued iteration, and run the op eagerly, untraced, like any op
-        between iterations. With a tape open the op may need recording: fall back."""
+        complete (typically the loop is over and Python reads results) and its graph work is
+        done. Close it and run the op eagerly, untraced, like any op between iterations. With
+        a tape open the op may need recording: fall back."""
         if self.open_tapes:
             self.leave(why)
             return
         self._close_iteration()
         if self.phase == "coexecution":
-            self._throttle(0)
             interception.set_handler(self.tracing_door)
 
     def _start_recording(self):
@@ -284,7 +294,7 @@ class Runtime:
         self.stats.graph_generations += 1
         self.graph_runner  # noqa: B018 - starts the GraphRunner and watchdog threads
         self.runner = PythonRunner(self.graph, _tensors, _original_numpy, self._watchdog,
-                                   config.timeout, self._fallback_from_runner)
+                                   config.timeout, self.leave)
         self.graph_index = 0
         self.phase = "coexecution"
 
@@ -292,15 +302,6 @@ class Runtime:
         self.unsupported = reason
         self.events.append(("eager", reason, None))
         self.phase = "eager"
-
-    def _throttle(self, ahead=1):
-        """Keep at most ``ahead`` finished-in-Python iterations ahead of the graph."""
-        while len(self.jobs) > ahead:
-            job = self.jobs.pop(0)
-            if not job.done.wait(config.timeout):
-                raise TimeoutError("Terra: the graph did not finish an iteration in time")
-            if job.error is not None and not job.cancelled:
-                self._raise_graph_error(job)
 
     # -- leaving co-execution -------------------------------------------------------------
     def _coexec(self, fn):
@@ -312,11 +313,12 @@ class Runtime:
             self.leave(m)
             return None
 
-    def _fallback_from_runner(self, reason):
-        self.leave(Mismatch(reason))
-
     def leave(self, why):
-        """Fallback (paper §3.2.1): cancel, restore, replay the matched prefix, trace on."""
+        """Fallback (paper §3.2.1): cancel, restore, replay the matched prefix, trace on.
+
+        After a graph-side error the replay runs the failing op eagerly if Python had issued
+        it, so TF raises its own error there, with the state eager has at that point. If
+        Python has not reached it yet, tracing goes on and eager raises it when it does."""
         runner = self.runner
         it = runner.it
         if it is None:  # the iteration was closed early (path_ended): nothing to replay
@@ -331,12 +333,11 @@ class Runtime:
         reason = why.reason if isinstance(why, Mismatch) else f"graph error: {why}"
         self.events.append(("fallback", reason, user_location()))
         runner.it = None
-        self.jobs = []
         self.graph = None
         self.phase = "tracing"
         self._start_recording()
         fallback_lib.replay(it.log, self.recorder)
-        if isinstance(why, GraphFailed):
+        if isinstance(why, GraphFailed) and why.at_end:  # eager does not fail: Terra does
             self._raise_graph_error(why.job)
 
     def _graph_error(self, job):
@@ -369,8 +370,6 @@ class Runtime:
 
     def shutdown(self):
         """Finish pending graph work so variables hold their final values."""
-        for job in self.jobs:
-            job.done.wait(config.timeout)
         if self.phase == "coexecution" and self.runner.it is not None:
             if not self.runner.at_end():
                 self.leave(Mismatch("terra.reset() in the middle of an iteration"))

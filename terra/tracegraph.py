@@ -28,6 +28,15 @@ from terra.trace import OpRecord
 SMALL_CONST = 64  # elements; larger external tensors are always fed
 
 
+def relax(shape, new):
+    """The most specific shape (None: unknown dim or rank) that both shapes satisfy."""
+    if shape == new:
+        return shape
+    if shape is None or len(shape) != len(new):
+        return None
+    return tuple(a if a == b else None for a, b in zip(shape, new))
+
+
 class NodeKind(enum.Enum):
     START = "start"
     END = "end"
@@ -43,7 +52,8 @@ class Slot:
                  "ids", "values_vary")
 
     def __init__(self, kind, node=None, out=0, tensor=None):
-        self.kind = kind  # "node" | "var" | "const" | "capture" | "feed" | "same"
+        self.kind = kind  # "node" | "var" | "resource" | "const" | "capture" | "feed" | "same"
+        # "resource": any resource handle, for ops run in Python (the iterator of an epoch)
         # "same": the value of input ``out`` of ``node`` (an external value read again)
         self.node, self.out, self.tensor = node, out, tensor
         self.value = None
@@ -61,10 +71,7 @@ class Slot:
 
     def observe(self, t):
         """Fold one more observation of an external input into the classification."""
-        shape = t._shape_tuple()
-        if shape != self.shape:
-            self.shape = tuple(a if a == b else None for a, b in zip(self.shape, shape)) \
-                if len(shape) == len(self.shape) else None
+        self.shape = relax(self.shape, t._shape_tuple())
         self.ids.add(t._id)
         if not self.values_vary and t._num_elements() <= SMALL_CONST and \
                 t.dtype != dtypes.string and t.dtype != dtypes.variant:
@@ -87,7 +94,8 @@ class Slot:
         if kind == "op":
             return self.kind == "node" and self.node is nodes[ref[1]] and self.out == ref[2]
         if kind == "var":
-            return self.kind == "var" and self.tensor._id == ref[1]._id
+            return self.kind == "resource" or \
+                self.kind == "var" and self.tensor._id == ref[1]._id
         if kind == "same":
             return self.kind == "same" and self.node is nodes[ref[1]] and self.out == ref[2]
         return self.kind in ("const", "capture", "feed") and \
@@ -96,8 +104,8 @@ class Slot:
     def __str__(self):
         if self.kind == "node":
             return f"%{self.node.id}" + (f".{self.out}" if self.out else "")
-        if self.kind == "var":
-            return "var"
+        if self.kind in ("var", "resource"):
+            return self.kind
         if self.kind == "same":
             return f"%{self.node.id}.in{self.out}"
         if self.kind == "const":
@@ -122,6 +130,7 @@ class TraceNode:
         self.inputs: list[Slot] = []
         self.out_specs = rec.out_specs if rec else ()
         self.sigs: dict[tuple, tuple] = {}  # input shapes -> output specs
+        self.out_relaxed = None  # per output: the shape over every observation (relax())
         self.body_len = rec.body_len if rec else 0
         self.results = None  # GRAD: per source leaf None | ("t", (node, out)) | ("is", ...)
         self.fetched: set[int] = set()
@@ -252,11 +261,14 @@ class TraceGraph:
 
     def _add(self, rec, rec_nodes):
         node = self._new_node(NodeKind(rec.kind), rec)
+        # An op run in Python for real may take any handle: its outputs are fed to the graph
+        # and validated there, and a fresh tf.data iterator per epoch must not split it.
+        handle = "resource" if rec.kind == "op" and not rec.in_graph else "var"
         for ref in rec.inputs:
             if ref[0] == "op":
                 node.inputs.append(Slot("node", rec_nodes[ref[1]], ref[2]))
             elif ref[0] == "var":
-                node.inputs.append(Slot("var", tensor=ref[1]))
+                node.inputs.append(Slot(handle, tensor=ref[1]))
             elif ref[0] == "same":
                 node.inputs.append(Slot("same", rec_nodes[ref[1]], ref[2]))
             else:
@@ -280,6 +292,9 @@ class TraceGraph:
         if node.sigs.setdefault(sig, rec.out_specs) != rec.out_specs:
             node.sigs[sig] = rec.out_specs  # same inputs, new output shapes: data-dependent
         node.out_specs = rec.out_specs
+        relaxed = node.out_relaxed
+        node.out_relaxed = [spec[0] for spec in rec.out_specs] if relaxed is None else \
+            [relax(a, spec[0]) for a, spec in zip(relaxed, rec.out_specs)]
         node.fetched |= rec.fetched
         node.escaped |= rec.escaped
         if rec.kind == "grad":

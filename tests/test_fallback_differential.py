@@ -1,0 +1,70 @@
+"""Fallback: at one step the op path changes; Terra must notice, give eager's numbers, and
+co-execute again afterwards.
+
+The change comes at different depths of the iteration: before the forward pass (the graph has
+barely started), in the loss (mid-way), and after ``apply_gradients`` but before the step's
+recorded metric op (the graph has already updated the variables, which must be rolled back and
+the iteration replayed eagerly). An extra op *between* iterations (after the last recorded op,
+before the next tape) needs no fallback: the graph finishes the iteration and the op runs
+eagerly.
+"""
+
+import pytest
+import tensorflow as tf
+from differential import assert_same_as_eager, record_stats
+from tiny_models import batch, classification_data, mlp, sparse_xent, state
+
+STEPS, CHANGED_STEP = 12, 6  # warm-up 1 + ~2 traces, so CHANGED_STEP is co-executed
+
+
+def path_change_program(where):
+    def program(tape_cls, steps):
+        tf.keras.utils.set_random_seed(0)
+        data = classification_data(steps * 16, 20, 5)
+        model = mlp(20, (16,), 5)
+        optimizer = tf.keras.optimizers.Adam(1e-2)
+        loss_fn = sparse_xent()
+        losses, extras = [], []
+        for step in range(steps):
+            record_stats(f"step{step}")
+            x, y = batch(data, step, 16)
+            changed = step == CHANGED_STEP
+            if changed and where == "between_iterations":
+                x = tf.clip_by_value(x, -1.0, 1.0)
+            with tape_cls() as tape:
+                if changed and where == "before_forward":
+                    x = tf.clip_by_value(x, -1.0, 1.0)
+                loss = loss_fn(y, model(x, training=True))
+                if changed and where == "in_loss":
+                    loss += 1e-2 * tf.add_n([tf.nn.l2_loss(w) for w in model.trainable_variables])
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            if changed and where == "after_update":
+                kernel = model.trainable_variables[0]
+                extras.append(float(tf.reduce_mean(tf.square(kernel))))  # an extra metric op
+            losses.append(float(loss))
+            extras.append(float(tf.reduce_max(loss)))  # recorded every step, after the update
+        return {"losses": losses, "extras": extras, **state(model, optimizer)}
+
+    return program
+
+
+@pytest.mark.parametrize("where", ["before_forward", "in_loss", "after_update"])
+def test_path_change_at_one_step_falls_back_then_coexecutes(where):
+    outcome = assert_same_as_eager(
+        path_change_program(where), STEPS, expect_fallbacks=(1, 2), max_traces=4
+    )
+    before, after = (
+        outcome.stats_at(f"step{CHANGED_STEP}"),
+        outcome.stats_at(f"step{CHANGED_STEP + 1}"),
+    )
+    assert before.coexecuted >= 1, f"the changed step was not co-executed\n{outcome.report()}"
+    assert after.fallbacks >= 1, f"no fallback during the changed step\n{outcome.report()}"
+    assert outcome.stats.coexecuted > after.coexecuted, (
+        f"co-execution did not resume after the fallback\n{outcome.report()}"
+    )
+
+
+def test_extra_op_between_iterations_runs_eagerly_without_fallback():
+    outcome = assert_same_as_eager(path_change_program("between_iterations"), STEPS)
+    assert outcome.stats.coexecuted >= STEPS - 4, outcome.report()
