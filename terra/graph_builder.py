@@ -31,7 +31,7 @@ class Step:
 
     __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
                  "check_shapes", "fetch", "static", "dynamic", "python", "out_feed", "result",
-                 "body_len", "results")
+                 "body_len", "results", "pack")
 
     def __init__(self, node: TraceNode):
         self.node = node
@@ -45,13 +45,14 @@ class Step:
         self.check_shapes = len(node.sigs) > 1
         n_out = len(node.out_specs)
         self.fetch = [None] * n_out  # out -> Channel (graph enqueues, Python dequeues)
-        self.static = [None] * n_out  # out -> value known when the graph was built
+        self.static = [None] * n_out  # out -> value known when the graph was built (a tensor)
         self.dynamic = False  # output shapes depend on data: fetch instead of a stand-in
         self.python = node.kind == NodeKind.OP and not node.in_graph
         self.out_feed = [None] * n_out  # python op outputs the graph consumes
         self.result = {}  # out -> index among the function's outputs
         self.body_len = node.body_len
         self.results = node.results
+        self.pack = None  # how the fast path groups outputs, learned on first use
 
 
 class SymbolicGraph:
@@ -70,6 +71,7 @@ class SymbolicGraph:
         self.call_attrs = tuple(itertools.chain(
             *context.context().function_call_options.as_attrs().items()))
         self.snapshot_fn = _snapshot_function(written)
+        self.fetch_channels = [(s, c) for s in steps for c in s.fetch if c is not None]
 
     def __str__(self):
         feeds = sum(c is not None for s in self.steps for c in s.feed + s.out_feed)
@@ -99,11 +101,24 @@ def _var_dtype(node):
     return attrs.get("dtype", attrs.get("T"))
 
 
+def _unseen_by_python(steps):
+    """Backward ops inside gradient regions that are not gradient results: the PythonRunner
+    skips them, so it never needs their values (nor their data-dependent shapes)."""
+    unseen = set()
+    for i, step in enumerate(steps):
+        if step.kind == NodeKind.GRAD:
+            unseen.update(s.node for s in steps[i + 1:i + 1 + step.body_len])
+            for r in step.results:
+                unseen.difference_update(p[0] for p in (r or ())[1:] if p is not None)
+    return unseen
+
+
 def generate(path: list[TraceNode]) -> SymbolicGraph:
     """Build the symbolic graph for one path (start and end excluded)."""
     steps = [Step(n) for n in path]
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
+    unseen = _unseen_by_python(steps)
     for step in steps:
         for slot in step.slots:
             if slot.kind != "node":
@@ -192,10 +207,11 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
                         written.setdefault(slot.tensor._id, (slot.tensor, _var_dtype(node)))
             for k, t in enumerate(op.outputs):
                 wanted = k in node.fetched or (node, k) in consumers_needing_value
-                if step.dynamic or wanted:
+                if wanted or step.dynamic and node not in unseen:
                     value = tensor_util.constant_value(t) if wanted else None
                     if value is not None:
-                        step.static[k] = value
+                        with ops.init_scope():
+                            step.static[k] = constant_op.constant(value)
                     else:
                         enqueue(step, k, t)
                 if k in node.escaped or k in node.fetched:

@@ -279,11 +279,14 @@ class PythonRunner:
                 if kind == "var" or kind == "capture":
                     if a._id != slot.tensor._id:
                         raise _bad(step, i, "is a different tensor")
+                elif kind == "const" and a._id == slot.last_id:
+                    pass  # the very tensor validated last time (TF caches converted scalars)
                 elif a._datatype_enum() != slot.dtype:
                     raise _bad(step, i, "changed dtype")
                 elif kind == "const":
                     if not np.array_equal(a._numpy_internal(), slot.value):
                         raise _bad(step, i, "constant value changed")
+                    slot.last_id = a._id
                 elif kind == "feed":
                     if not _shape_ok(a._shape_tuple(), slot.shape):
                         raise _bad(step, i, "changed shape")
@@ -329,9 +332,7 @@ class PythonRunner:
         e = Entry(self, self.it, step, out)
         self.tensors[s._id] = e
         self.it.entries.append((e, s))
-        static = step.static[out]
-        if static is not None:
-            e.value = constant_op.constant(static)
+        e.value = step.static[out]
         return s
 
     def _result(self, node, out):
@@ -458,7 +459,12 @@ class PythonRunner:
 
     # -- end of iteration ---------------------------------------------------------------
     def finish(self):
-        """Sweep this iteration's tensors: keep entries Python still holds (escapes)."""
+        """Sweep this iteration's tensors: keep entries Python still holds (escapes). Drop
+        the fetched values Python did not read, so the unbounded channels do not grow."""
+        it = self.it
+        for step, channel in self.graph.fetch_channels:
+            if channel.taken <= it.index:
+                self._wait(lambda c=channel: c.get_nth(it.index, self.wait_cm), step)
         uncovered = []
         for e, t in self.it.entries:
             alive = sys.getrefcount(t) > _BASE_REFS
@@ -503,29 +509,37 @@ def _fallback_exception():
 
 
 def _pack_fast(info, step, outs):
-    """Shape results like ``TFE_Py_FastPathExecute``: one tensor, None, or a list."""
-    op_def = info.op_def
-    if len(op_def.output_arg) == 1:
-        arg = op_def.output_arg[0]
-        if not (arg.number_attr or arg.type_list_attr):
-            return outs[0]
+    """Shape results like ``TFE_Py_FastPathExecute``: one tensor, None, or (nested) lists."""
+    plan = step.pack
+    if plan is None:
+        plan = step.pack = _pack_plan(info, step)
+    if plan == "one":
+        return outs[0]
+    if plan == "all":
         return outs
-    if not op_def.output_arg:
+    if plan == "none":
         return None
-    attrs = dict(step.attrs)
     grouped, k = [], 0
-    for arg in op_def.output_arg:
-        if arg.number_attr:
-            n = attrs[arg.number_attr]
-        elif arg.type_list_attr:
-            n = len(attrs[arg.type_list_attr])
-        else:
+    for n in plan:
+        if n is None:
             grouped.append(outs[k])
             k += 1
-            continue
-        grouped.append(outs[k:k + n])
-        k += n
+        else:
+            grouped.append(outs[k:k + n])
+            k += n
     return grouped
+
+
+def _pack_plan(info, step):
+    """"one", "all", "none", or per output arg its list length (None: a single tensor)."""
+    args = info.op_def.output_arg
+    if not args:
+        return "none"
+    if len(args) == 1:
+        return "all" if args[0].number_attr or args[0].type_list_attr else "one"
+    attrs = dict(step.attrs)
+    return tuple(attrs[a.number_attr] if a.number_attr else
+                 len(attrs[a.type_list_attr]) if a.type_list_attr else None for a in args)
 
 
 def _indexed_slices(values, indices, dense_shape):

@@ -48,8 +48,8 @@ class NodeKind(enum.Enum):
 class Slot:
     """Where one input of a node comes from."""
 
-    __slots__ = ("kind", "node", "out", "tensor", "value", "accepted", "dtype", "shape",
-                 "ids", "values_vary")
+    __slots__ = ("kind", "node", "out", "tensor", "value", "accepted", "last_id", "dtype",
+                 "shape", "ids", "values_vary")
 
     def __init__(self, kind, node=None, out=0, tensor=None):
         self.kind = kind  # "node" | "var" | "resource" | "const" | "capture" | "feed" | "same"
@@ -58,6 +58,7 @@ class Slot:
         self.node, self.out, self.tensor = node, out, tensor
         self.value = None
         self.accepted = set()  # Python scalars known to convert to ``value`` (const slots)
+        self.last_id = None  # the tensor last validated as ``value`` (const slots)
         self.dtype = self.shape = None
         self.ids = set()
         self.values_vary = False

@@ -1,0 +1,34 @@
+"""Runtime properties that the differential tests cannot see: resources that must not grow."""
+
+import tensorflow as tf
+from tensorflow.python.ops import gen_data_flow_ops
+from tiny_models import batch, classification_data, mlp, sparse_xent
+
+import terra
+from terra import runtime
+
+
+def test_fetched_values_python_stops_reading_do_not_pile_up():
+    """The loss is a fetch point (read while tracing); later steps never read it. The graph
+    still enqueues it every iteration, and the channel must be drained, not grow."""
+    terra.reset()
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(30 * 16, 20, 5)
+    model, optimizer, loss_fn = mlp(20, (16,), 5), tf.keras.optimizers.Adam(1e-2), sparse_xent()
+    try:
+        for step in range(30):
+            x, y = batch(data, step, 16)
+            with terra.TerraGradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            if step < 5:
+                float(loss)
+        rt = runtime.get()
+        assert rt.stats.coexecuted >= 20, terra.explain()
+        channels = rt.runner.graph.fetch_channels
+        assert channels, "the loss should be a fetch point"
+        sizes = [int(gen_data_flow_ops.queue_size_v2(c.handle)) for _, c in channels]
+        assert max(sizes) <= 1, sizes
+    finally:
+        terra.reset()
