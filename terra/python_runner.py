@@ -284,7 +284,8 @@ class PythonRunner:
                 elif a._datatype_enum() != slot.dtype:
                     raise _bad(step, i, "changed dtype")
                 elif kind == "const":
-                    if not np.array_equal(a._numpy_internal(), slot.value):
+                    v = a._numpy_internal()  # bytes: -0.0 or another NaN counts as a change
+                    if v.shape != slot.value.shape or v.tobytes() != slot.value_bytes:
                         raise _bad(step, i, "constant value changed")
                     slot.last_id = a._id
                 elif kind == "feed":

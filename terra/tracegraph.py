@@ -48,15 +48,15 @@ class NodeKind(enum.Enum):
 class Slot:
     """Where one input of a node comes from."""
 
-    __slots__ = ("kind", "node", "out", "tensor", "value", "accepted", "last_id", "dtype",
-                 "shape", "ids", "values_vary")
+    __slots__ = ("kind", "node", "out", "tensor", "value", "value_bytes", "accepted", "last_id",
+                 "dtype", "shape", "ids", "values_vary")
 
     def __init__(self, kind, node=None, out=0, tensor=None):
         self.kind = kind  # "node" | "var" | "resource" | "const" | "capture" | "feed" | "same"
         # "resource": any resource handle, for ops run in Python (the iterator of an epoch)
         # "same": the value of input ``out`` of ``node`` (an external value read again)
         self.node, self.out, self.tensor = node, out, tensor
-        self.value = None
+        self.value = self.value_bytes = None
         self.accepted = set()  # Python scalars known to convert to ``value`` (const slots)
         self.last_id = None  # the tensor last validated as ``value`` (const slots)
         self.dtype = self.shape = None
@@ -79,8 +79,9 @@ class Slot:
             value = t._numpy_internal()  # bypasses the materialization hook
             if self.value is None:
                 self.value = np.array(value)
-            elif not np.array_equal(self.value, value):
-                self.values_vary = True
+                self.value_bytes = self.value.tobytes()
+            elif value.shape != self.value.shape or value.tobytes() != self.value_bytes:
+                self.values_vary = True  # by bytes, as the PythonRunner validates
         else:
             self.values_vary = True
         if self.value is not None and not self.values_vary:
