@@ -21,8 +21,10 @@ def _ratio(row, key):
 
 def _losses(row):
     if row["status"] == "ok":
+        if row["mode"] == "eager":
+            return "reference"
         n = row.get("compared_steps")
-        return f"ok (first {n} step{'s' * (n > 1)})" if n else "ok"
+        return f"match (first {n} step{'s' * (n > 1)})" if n else "match"
     return f"{row['status']}: {row['detail']}"
 
 

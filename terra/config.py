@@ -1,6 +1,6 @@
 """Every Terra switch, read in one place.
 
-Each switch has an environment variable (read when Terra is imported or reset) and a keyword
+Each switch has an environment variable (read when Terra is imported) and a keyword
 of :func:`terra.configure`. Keeping them here means a test or a benchmark can flip a mode
 without knowing which module consults it.
 """

@@ -120,6 +120,10 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     unseen = _unseen_by_python(steps)
     for step in steps:
+        if step.node in unseen and any(slot.kind == "feed" for slot in step.slots):
+            raise NotImplementedError(
+                f"{step.node.format()}: a backward op reads a value that changes every step; "
+                "the gradient code that computes it is skipped in co-execution")
         for slot in step.slots:
             if slot.kind != "node":
                 continue
@@ -159,8 +163,9 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
             return t
 
         def enqueue(step, k, t):
-            with ops.init_scope():
-                channel = Channel(t.dtype.as_datatype_enum, step.out_specs[k][0])
+            shape = tuple(t.shape.as_list()) if t.shape.rank is not None else None
+            with ops.init_scope():  # the graph's shape: relaxed where observations differ
+                channel = Channel(t.dtype.as_datatype_enum, shape)
             with ops.control_dependencies(last_fetch):
                 op = g._create_op_internal(
                     "QueueEnqueueV2", [g.capture(channel.handle), t],

@@ -17,14 +17,14 @@ from tensorflow.python.eager import cancellation, context, execute
 
 class Job:
     __slots__ = ("graph", "cm", "done", "outputs", "error", "snapshot", "cancelled",
-                 "started", "exec_time")
+                 "submitted", "started", "exec_time")
 
     def __init__(self, graph):
         self.graph = graph
         self.cm = cancellation.CancellationManager()
         self.done = threading.Event()
         self.outputs = self.error = self.snapshot = None
-        self.cancelled = self.started = False
+        self.cancelled = self.submitted = self.started = False
         self.exec_time = 0.0
 
 
@@ -40,12 +40,19 @@ class GraphRunner:
         self._thread.start()
 
     def submit(self, job: Job):
+        """Queue ``job`` (once); jobs run in submission order."""
+        with self._lock:
+            if job.submitted or job.cancelled:
+                return
+            job.submitted = True
         self._jobs.put(job)
 
     def cancel(self, job: Job):
         with self._lock:
             job.cancelled = True
-            if job.started:
+            if not job.submitted:  # lazy mode: never started, nothing to undo
+                job.done.set()
+            elif job.started:
                 job.cm.start_cancel()
 
     def stop(self):

@@ -14,6 +14,7 @@ functions) run here for real and their outputs are fed.
 
 import sys
 import time
+import weakref
 
 import numpy as np
 from tensorflow.python.eager import cancellation, context
@@ -84,12 +85,12 @@ class Entry:
         runner = self.runner
         try:
             value = runner.value_of(self)
-        except GraphFailed as g:
-            runner.fallback(g)  # replays this iteration; raises the op's error if it ran
+        except (Mismatch, GraphFailed) as why:
+            runner.fallback(why)  # replays the iteration so far; raises the op's error if any
             value = self.value
             if value is None:
                 raise IterationAborted(f"the value of {self.step.op_type} at "
-                                       f"{_where(self.step)} is unavailable") from g
+                                       f"{_where(self.step)} is unavailable") from why
         return runner.original_numpy(value)
 
 
@@ -116,7 +117,7 @@ def _shape_ok(shape, want):
 
 
 class PythonRunner:
-    def __init__(self, graph, tensors, original_numpy, watchdog, timeout, fallback):
+    def __init__(self, graph, tensors, original_numpy, watchdog, timeout, fallback, start):
         self.graph = graph
         self.steps = graph.steps
         self.step_of = {s.node: s for s in graph.steps}
@@ -125,6 +126,7 @@ class PythonRunner:
         self.watchdog = watchdog
         self.timeout = timeout
         self.fallback = fallback  # runtime callback: (Mismatch | GraphFailed) -> None
+        self.start = start  # submits a job to the GraphRunner (a no-op once submitted)
         self.ctx = context.context()
         self.device = self.ctx.device_name or "/job:localhost/replica:0/task:0/device:CPU:0"
         self._dummies = {}
@@ -169,9 +171,16 @@ class PythonRunner:
             else:
                 flat.append(a)
         if step.python:
-            real = [self._real(a) if type(a) is _EagerTensor else a for a in inputs]
-            return self._run_python(step, flat, ORIGINAL_FAST(ctx, op_type, name, *real,
-                                                              *attrs), fast=True)
+            real = [self._real(a) if type(a) is _EagerTensor else
+                    [self._real(x) if type(x) is _EagerTensor else x for x in a]
+                    if info.list_inputs[k] and isinstance(a, (list, tuple)) else a
+                    for k, a in enumerate(inputs)]
+            flat_real = []
+            for k, a in enumerate(real):
+                (flat_real.extend if info.list_inputs[k] and isinstance(a, list) else
+                 flat_real.append)(a)
+            return self._run_python(step, flat_real, ORIGINAL_FAST(ctx, op_type, name, *real,
+                                                                   *attrs), fast=True)
         return self._run(step, flat, info, fast=True)
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
@@ -180,7 +189,7 @@ class PythonRunner:
         self._check_attrs(step, op_type, attrs, cache=False)
         if step.python:
             real = [self._real(a) for a in inputs]
-            return self._run_python(step, inputs,
+            return self._run_python(step, real,
                                     ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name),
                                     fast=False)
         return self._run(step, list(inputs), opdefs.info(op_type), fast=False)
@@ -298,11 +307,11 @@ class PythonRunner:
                 log.append(a)
             elif kind == "const":
                 scalar = type(a) in _SCALARS
-                if not (scalar and a in slot.accepted):
+                if not (scalar and (type(a), a) in slot.accepted):  # 1, 1.0, True differ
                     if not _converts_to(a, slot.value):
                         raise _bad(step, i, "constant value changed")
                     if scalar:
-                        slot.accepted.add(a)
+                        slot.accepted.add((type(a), a))
                 log.append(a)
             elif kind == "feed":
                 t = constant_op.constant(a, dtype=dtypes.as_dtype(slot.dtype))
@@ -338,10 +347,10 @@ class PythonRunner:
 
     def _result(self, node, out):
         step = self.step_of[node]
+        s = self._new(step, out, node.out_specs[out])
         if len(node.sigs) > 1 or step.dynamic:
-            s = self._new(step, out, node.out_specs[out])
-            return self.value_of(self.tensors[s._id])
-        return self._new(step, out, node.out_specs[out])
+            return self._fetched(self.tensors[s._id])
+        return s
 
     def _run(self, step, flat, info, fast):
         inputs = self._validate(step, flat)
@@ -363,10 +372,17 @@ class PythonRunner:
         return _pack_fast(info, step, outs)
 
     def _fetch_now(self, step, k, standin):
-        e = self.tensors[standin._id]
-        value = self.value_of(e)
+        value = self._fetched(self.tensors[standin._id])
         if value._shape_tuple() != step.out_specs[k][0] and not step.check_shapes:
             raise Mismatch(f"{step.op_type} produced a new (data-dependent) shape")
+        return value
+
+    def _fetched(self, e):
+        """Fetch an output whose shape Python must see, and hand out the real tensor in
+        place of the stand-in: registered, so later ops still know its producer."""
+        value = self.value_of(e)
+        self.tensors[value._id] = e
+        self.it.entries.append((e, value))
         return value
 
     def _run_python(self, step, flat, result, fast):
@@ -403,7 +419,8 @@ class PythonRunner:
 
     def value_of(self, e: Entry):
         """The real tensor behind an entry: known, fetched from its channel, or taken from
-        its iteration's function outputs; falls back if the graph cannot provide it."""
+        its iteration's function outputs. Raises Mismatch if the graph does not provide it
+        (the caller falls back)."""
         if e.value is not None:
             return e.value
         step, out, it = e.step, e.out, e.iteration
@@ -424,11 +441,11 @@ class PythonRunner:
             raise IterationAborted(
                 f"the value of {step.op_type} at {_where(step)} is unavailable: its "
                 "iteration ended before the value was recorded as needed")
-        self.fallback(Mismatch(f"new fetch point: value of {step.op_type} {step.node!r} "
-                               f"({_where(step)})"))
-        return e.value
+        raise Mismatch(f"new fetch point: value of {step.op_type} {step.node!r} "
+                       f"({_where(step)})")
 
     def _wait(self, fetch, step):
+        self.start(self.it.job)  # lazy mode: the graph runs only once Python needs it
         t0 = time.perf_counter()
         self.watchdog.arm(self.wait_cm, self.timeout)
         try:
@@ -446,9 +463,12 @@ class PythonRunner:
             raise
         finally:
             self.watchdog.disarm()
+            if self.watchdog.fired:  # fired after the value came: the manager is spent
+                self.wait_cm = cancellation.CancellationManager()
             self.stall_time += time.perf_counter() - t0
 
     def _wait_job(self, job, step):
+        self.start(job)
         t0 = time.perf_counter()
         finished = job.done.wait(self.timeout)
         self.stall_time += time.perf_counter() - t0
@@ -467,14 +487,22 @@ class PythonRunner:
             if channel.taken <= it.index:
                 self._wait(lambda c=channel: c.get_nth(it.index, self.wait_cm), step)
         uncovered = []
-        for e, t in self.it.entries:
-            alive = sys.getrefcount(t) > _BASE_REFS
-            if not alive:
-                self.tensors.pop(t._id, None)
+        outputs = it.job.outputs  # the job is done: the runner waited at the path's end
+        tensors = self.tensors
+        for e, t in it.entries:
+            if sys.getrefcount(t) <= _BASE_REFS + (e.value is t):
+                tensors.pop(t._id, None)
                 continue
-            if e.value is None and e.step.result.get(e.out) is None:
+            # Python still holds it: give it its value now, forget it when Python does
+            weakref.finalize(t, tensors.pop, t._id, None)
+            index = e.step.result.get(e.out)
+            if e.value is None and (index is None or outputs is None):
                 uncovered.append(e)
-        self.it.entries = []
+            elif e.value is None:
+                e.value = outputs[index]
+        it.entries = []
+        if not uncovered:  # nothing left to replay: let go of the batches, tapes, snapshot
+            it.log = it.fed = it.job.snapshot = None
         return uncovered
 
 

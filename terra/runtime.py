@@ -23,6 +23,7 @@ from terra.location import user_location
 from terra.python_runner import (
     GraphFailed,
     Iteration,
+    IterationAborted,
     Mismatch,
     PathEnded,
     PythonRunner,
@@ -120,6 +121,8 @@ class CoexecDoor:
 class Runtime:
     def __init__(self):
         global _original_numpy
+        if config.xla:  # say so rather than silently run without XLA
+            raise NotImplementedError("Terra: the xla switch (TERRA_XLA) is not built yet")
         self.stats = Stats()
         self.tracegraph = TraceGraph()
         self.open_tapes = []
@@ -172,7 +175,8 @@ class Runtime:
     def tape_exit(self, tape, failed):
         if self.phase == "coexecution" and failed:
             self.leave(Mismatch("exception raised by user code"))
-            self.recorder.aborted = True
+        if failed and self.recorder is not None:
+            self.recorder.aborted = True  # an iteration that raised is never merged
         if not (self.phase == "coexecution" and self._coexec(
                 lambda: self.runner.mark("exit", tape.mark_attrs, (), tape))):
             tape.exit_real()
@@ -222,7 +226,8 @@ class Runtime:
             job = Job(self.graph)
             it = Iteration(self.graph_index, job)
             self.graph_index += 1
-            self.graph_runner.submit(job)
+            if not config.lazy:  # lazy: the PythonRunner submits when it first waits
+                self.graph_runner.submit(job)
             self.runner.begin(it)
             interception.set_handler(self.coexec_door)
 
@@ -293,8 +298,10 @@ class Runtime:
             return
         self.stats.graph_generations += 1
         self.graph_runner  # noqa: B018 - starts the GraphRunner and watchdog threads
+        if self.runner is not None:  # stall time of earlier graphs
+            self.stats.python_stall += self.runner.stall_time
         self.runner = PythonRunner(self.graph, _tensors, _original_numpy, self._watchdog,
-                                   config.timeout, self.leave)
+                                   config.timeout, self.leave, self.graph_runner.submit)
         self.graph_index = 0
         self.phase = "coexecution"
 
@@ -337,8 +344,10 @@ class Runtime:
         self.phase = "tracing"
         self._start_recording()
         fallback_lib.replay(it.log, self.recorder)
-        if isinstance(why, GraphFailed) and why.at_end:  # eager does not fail: Terra does
-            self._raise_graph_error(why.job)
+        if isinstance(why, GraphFailed) and why.at_end:
+            # Python issued every op and eager ran them all without an error: the numbers
+            # are eager's, but the graph should not have failed. Say so in explain().
+            self.events.append(("graph error not reproduced eagerly", str(why), None))
 
     def _graph_error(self, job):
         # Called in the GraphRunner thread: unblock a PythonRunner waiting on a fetch.
@@ -354,15 +363,18 @@ class Runtime:
     def value(self, entry):
         try:
             return entry.runner.value_of(entry)
-        except GraphFailed as g:
-            self.leave(g)
+        except (Mismatch, GraphFailed) as why:
+            self.leave(why)
+            if entry.value is None:
+                raise IterationAborted(f"Terra: a value of an abandoned iteration was used "
+                                       f"at {user_location()}") from why
             return entry.value
 
     # -- stats / reset ------------------------------------------------------------------
     def snapshot_stats(self):
         s = dataclasses.replace(self.stats)
         if self.runner is not None:
-            s.python_stall = self.runner.stall_time
+            s.python_stall += self.runner.stall_time
         if self._graph_runner is not None:
             s.graph_exec = self._graph_runner.busy_time
             s.graph_idle = self._graph_runner.idle_time
@@ -375,6 +387,7 @@ class Runtime:
                 self.leave(Mismatch("terra.reset() in the middle of an iteration"))
             else:
                 self.runner.it.done_path = True
+                self.graph_runner.submit(self.runner.it.job)
                 self.runner.it.job.done.wait(config.timeout)
         if self.recorder is not None:
             self.ctx.remove_op_callback(self.recorder.callback)

@@ -32,3 +32,33 @@ def test_fetched_values_python_stops_reading_do_not_pile_up():
         assert max(sizes) <= 1, sizes
     finally:
         terra.reset()
+
+
+def test_hook_table_forgets_tensors_python_drops_after_their_iteration():
+    """Losses kept in a list outlive their iterations; once Python drops them, their hook
+    entries (which once pinned the iteration's batches and variable snapshot) must go."""
+    import gc
+
+    terra.reset()
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(30 * 16, 20, 5)
+    model, optimizer, loss_fn = mlp(20, (16,), 5), tf.keras.optimizers.SGD(0.1), sparse_xent()
+    kept = []
+    try:
+        for step in range(30):
+            x, y = batch(data, step, 16)
+            with terra.TerraGradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            kept.append(loss)
+        assert runtime.get().stats.coexecuted >= 20, terra.explain()
+        held = len(runtime._tensors)
+        assert held >= 20  # the kept losses of the co-executed iterations
+        values = [float(t) for t in kept]
+        kept.clear()
+        gc.collect()
+        assert len(runtime._tensors) <= held - 20, (held, len(runtime._tensors))
+        assert len(values) == 30
+    finally:
+        terra.reset()
