@@ -164,24 +164,12 @@ class PythonRunner:
         attrs = args[n:]
         if attrs != step.fp_attrs:
             self._check_attrs(step, op_type, attrs, cache=True)
-        flat = []
-        for k, a in enumerate(inputs):
-            if info.list_inputs[k] and isinstance(a, (list, tuple)):
-                flat.extend(a)
-            else:
-                flat.append(a)
         if step.python:
-            real = [self._real(a) if type(a) is _EagerTensor else
-                    [self._real(x) if type(x) is _EagerTensor else x for x in a]
-                    if info.list_inputs[k] and isinstance(a, (list, tuple)) else a
-                    for k, a in enumerate(inputs)]
-            flat_real = []
-            for k, a in enumerate(real):
-                (flat_real.extend if info.list_inputs[k] and isinstance(a, list) else
-                 flat_real.append)(a)
-            return self._run_python(step, flat_real, ORIGINAL_FAST(ctx, op_type, name, *real,
-                                                                   *attrs), fast=True)
-        return self._run(step, flat, info, fast=True)
+            real = [[self._real(x) for x in a] if type(a) in (list, tuple) else self._real(a)
+                    for a in inputs]
+            return self._run_python(step, _flatten(info, real),
+                                    ORIGINAL_FAST(ctx, op_type, name, *real, *attrs), fast=True)
+        return self._run(step, _flatten(info, inputs), info, fast=True)
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         op_type = opdefs.op_name(op_type)
@@ -284,8 +272,13 @@ class PythonRunner:
                         raise _bad(step, i, "is a different tensor")
                     log.append(a)
                     continue
-                it.fed[(step.node, i)] = a._id
-                if kind == "var" or kind == "capture":
+                if kind == "var":
+                    if a._id != slot.tensor._id:
+                        raise _bad(step, i, "is a different tensor")
+                    log.append(a)
+                    continue
+                it.fed[(step.node, i)] = a._id  # for "same" slots reading it again
+                if kind == "capture":
                     if a._id != slot.tensor._id:
                         raise _bad(step, i, "is a different tensor")
                 elif kind == "const" and a._id == slot.last_id:
@@ -414,6 +407,9 @@ class PythonRunner:
 
     # -- values -------------------------------------------------------------------------
     def _real(self, a):
+        """A stand-in's value; any other argument as it is."""
+        if type(a) is not _EagerTensor:
+            return a
         e = self.tensors.get(a._id)
         return a if e is None else self.value_of(e)
 
@@ -523,6 +519,17 @@ def _bad(step, i, what):
 def _where(step):
     loc = step.node.location
     return f"{loc.file}:{loc.line}" if loc else "unknown location"
+
+
+def _flatten(info, inputs):
+    """Fast-path arguments -> one entry per op input (list-valued inputs spread out)."""
+    flat = []
+    for k, a in enumerate(inputs):
+        if info.list_inputs[k] and isinstance(a, (list, tuple)):
+            flat.extend(a)
+        else:
+            flat.append(a)
+    return flat
 
 
 def _plain_nested(a):

@@ -95,26 +95,18 @@ class CoexecDoor:
         rt = self.runtime
         try:
             return rt.runner.fast(ctx, op_type, name, args)
-        except PathEnded as m:
-            rt.path_ended(m)
-        except RanThenMismatch as m:
-            rt.leave(m)
-            return m.result
-        except (Mismatch, GraphFailed) as m:
-            rt.leave(m)
+        except (Mismatch, GraphFailed) as why:
+            if rt.recover(why):
+                return why.result
         return rt.tracing_door.fast(ctx, op_type, name, args)
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         rt = self.runtime
         try:
             return rt.runner.slow(op_type, num_outputs, inputs, attrs, ctx, name)
-        except PathEnded as m:
-            rt.path_ended(m)
-        except RanThenMismatch as m:
-            rt.leave(m)
-            return m.result
-        except (Mismatch, GraphFailed) as m:
-            rt.leave(m)
+        except (Mismatch, GraphFailed) as why:
+            if rt.recover(why):
+                return why.result
         return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
 
 
@@ -319,6 +311,15 @@ class Runtime:
         except (Mismatch, GraphFailed) as m:
             self.leave(m)
             return None
+
+    def recover(self, why) -> bool:
+        """Leave co-execution after a failed runner step; True if the op already ran (its
+        result is ``why.result``), False if the caller must now run it eagerly."""
+        if isinstance(why, PathEnded):
+            self.path_ended(why)
+            return False
+        self.leave(why)
+        return isinstance(why, RanThenMismatch)
 
     def leave(self, why):
         """Fallback (paper §3.2.1): cancel, restore, replay the matched prefix, trace on.

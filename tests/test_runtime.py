@@ -1,5 +1,7 @@
 """Runtime properties that the differential tests cannot see: resources that must not grow."""
 
+import gc
+
 import tensorflow as tf
 from tensorflow.python.ops import gen_data_flow_ops
 from tiny_models import batch, classification_data, mlp, sparse_xent
@@ -8,22 +10,26 @@ import terra
 from terra import runtime
 
 
+def train(steps, optimizer, after_step):
+    """A small MLP trained under Terra; ``after_step(step, loss)`` runs after each update."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 16, 20, 5)
+    model, loss_fn = mlp(20, (16,), 5), sparse_xent()
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with terra.TerraGradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        after_step(step, loss)
+
+
 def test_fetched_values_python_stops_reading_do_not_pile_up():
     """The loss is a fetch point (read while tracing); later steps never read it. The graph
     still enqueues it every iteration, and the channel must be drained, not grow."""
     terra.reset()
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(30 * 16, 20, 5)
-    model, optimizer, loss_fn = mlp(20, (16,), 5), tf.keras.optimizers.Adam(1e-2), sparse_xent()
     try:
-        for step in range(30):
-            x, y = batch(data, step, 16)
-            with terra.TerraGradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            if step < 5:
-                float(loss)
+        train(30, tf.keras.optimizers.Adam(1e-2), lambda step, loss: step < 5 and float(loss))
         rt = runtime.get()
         assert rt.stats.coexecuted >= 20, terra.explain()
         channels = rt.runner.graph.fetch_channels
@@ -37,21 +43,10 @@ def test_fetched_values_python_stops_reading_do_not_pile_up():
 def test_hook_table_forgets_tensors_python_drops_after_their_iteration():
     """Losses kept in a list outlive their iterations; once Python drops them, their hook
     entries (which once pinned the iteration's batches and variable snapshot) must go."""
-    import gc
-
     terra.reset()
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(30 * 16, 20, 5)
-    model, optimizer, loss_fn = mlp(20, (16,), 5), tf.keras.optimizers.SGD(0.1), sparse_xent()
     kept = []
     try:
-        for step in range(30):
-            x, y = batch(data, step, 16)
-            with terra.TerraGradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            kept.append(loss)
+        train(30, tf.keras.optimizers.SGD(0.1), lambda step, loss: kept.append(loss))
         assert runtime.get().stats.coexecuted >= 20, terra.explain()
         held = len(runtime._tensors)
         assert held >= 20  # the kept losses of the co-executed iterations
