@@ -31,7 +31,7 @@ class Step:
 
     __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
                  "check_shapes", "fetch", "static", "dynamic", "python", "out_feed", "result",
-                 "body_len", "results", "pack")
+                 "body_len", "results", "pack", "slow_attrs", "list_inputs")
 
     def __init__(self, node: TraceNode):
         self.node = node
@@ -39,6 +39,7 @@ class Step:
         self.op_type = node.op_type
         self.attrs = node.attrs
         self.fp_attrs = None  # the raw fast-path attr tuple, learned on first validation
+        self.slow_attrs = None  # the same for the slow path
         self.slots = node.inputs
         self.feed = [None] * len(node.inputs)  # slot index -> Channel for feed slots
         self.out_specs = node.out_specs
@@ -53,6 +54,7 @@ class Step:
         self.body_len = node.body_len
         self.results = node.results
         self.pack = None  # how the fast path groups outputs, learned on first use
+        self.list_inputs = node.kind == NodeKind.OP and any(opdefs.info(node.op_type).list_inputs)
 
 
 class SymbolicGraph:

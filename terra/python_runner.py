@@ -26,6 +26,7 @@ from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.tracegraph import NodeKind
 
 _EagerTensor = ops.EagerTensor
+_OP = NodeKind.OP
 _Variable = resource_variable_ops.BaseResourceVariable
 _PLAIN = (int, float, bool, complex, np.ndarray, np.generic, str, bytes)
 
@@ -120,6 +121,7 @@ class PythonRunner:
     def __init__(self, graph, tensors, original_numpy, watchdog, timeout, fallback, start):
         self.graph = graph
         self.steps = graph.steps
+        self.n_steps = len(graph.steps)
         self.step_of = {s.node: s for s in graph.steps}
         self.tensors = tensors
         self.original_numpy = original_numpy
@@ -141,7 +143,7 @@ class PythonRunner:
         self.pos = 0
 
     def at_end(self) -> bool:
-        return self.pos == len(self.steps)
+        return self.pos == self.n_steps
 
     # -- the two doors ------------------------------------------------------------------
     def fast(self, ctx, op_type, name, args):
@@ -149,38 +151,38 @@ class PythonRunner:
         n = info.n_inputs
         if n is None:
             raise Mismatch(f"unknown op {op_type}")
-        inputs = list(args[:n])
-        for k, a in enumerate(inputs):
-            if type(a) is _EagerTensor:
-                continue
-            if isinstance(a, _Variable):
-                inputs[k] = a.value()  # what the C fast path does, made visible
-            elif info.list_inputs[k] and isinstance(a, (list, tuple)):
-                if not all(type(x) is _EagerTensor or isinstance(x, _PLAIN) for x in a):
-                    raise _fallback_exception()
-            elif not isinstance(a, _PLAIN) and not _plain_nested(a):
-                raise _fallback_exception()
-        step = self._expect(NodeKind.OP, op_type)
+        inputs = args[:n]
+        for a in inputs:  # the common case: every input is already an EagerTensor
+            if type(a) is not _EagerTensor:
+                inputs = _fast_inputs(info, inputs)  # may read variables (ops of their own)
+                break
+        step = self._expect(_OP, op_type)
         attrs = args[n:]
         if attrs != step.fp_attrs:
             self._check_attrs(step, op_type, attrs, cache=True)
+        flat = _flatten(info, inputs) if step.list_inputs else inputs
         if step.python:
             real = [[self._real(x) for x in a] if type(a) in (list, tuple) else self._real(a)
                     for a in inputs]
             return self._run_python(step, _flatten(info, real),
                                     ORIGINAL_FAST(ctx, op_type, name, *real, *attrs), fast=True)
-        return self._run(step, _flatten(info, inputs), info, fast=True)
+        outs = self._run(step, flat)
+        plan = step.pack
+        if plan == "one":
+            return outs[0]
+        return _pack_fast(info, step, outs)
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         op_type = opdefs.op_name(op_type)
-        step = self._expect(NodeKind.OP, op_type)
-        self._check_attrs(step, op_type, attrs, cache=False)
+        step = self._expect(_OP, op_type)
+        if attrs != step.slow_attrs:
+            self._check_attrs(step, op_type, attrs, cache=False)
         if step.python:
             real = [self._real(a) for a in inputs]
             return self._run_python(step, real,
                                     ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name),
                                     fast=False)
-        return self._run(step, list(inputs), opdefs.info(op_type), fast=False)
+        return self._run(step, inputs)
 
     # -- tape events --------------------------------------------------------------------
     def mark(self, what, attrs, tensors, extra):
@@ -214,23 +216,24 @@ class PythonRunner:
         return flat
 
     def _advance(self, n):
-        """Move past matched steps. The last step of the path waits for the graph to finish
-        the iteration, so a graph-side error is raised inside the iteration that caused it."""
         self.pos += n
-        if self.pos == len(self.steps):
-            step = self.steps[-1]
-            try:
-                self._wait_job(self.it.job, step)
-            except GraphFailed as g:
-                g.at_end = True
-                raise
+        if self.pos == self.n_steps:
+            self._path_end()
+
+    def _path_end(self):
+        """The last step of the path waits for the graph to finish the iteration, so a
+        graph-side error is raised inside the iteration that caused it."""
+        try:
+            self._wait_job(self.it.job, self.steps[-1])
+        except GraphFailed as g:
+            g.at_end = True
+            raise
 
     # -- validation ---------------------------------------------------------------------
     def _expect(self, kind, op_type):
-        try:
-            step = self.steps[self.pos]
-        except IndexError:
-            raise PathEnded(f"{op_type} after the end of the recorded iteration") from None
+        if self.pos == self.n_steps:
+            raise PathEnded(f"{op_type} after the end of the recorded iteration")
+        step = self.steps[self.pos]
         if step.op_type != op_type or step.kind is not kind:
             raise Mismatch(f"expected {step.op_type}, got {op_type}")
         return step
@@ -242,8 +245,11 @@ class PythonRunner:
         for name, value in given:
             if name in recorded and recorded[name] != value:
                 raise Mismatch(f"attribute {name} of {op_type} changed")
-        if cache and len(given) == len(normalized):  # per-call seeds are never cached
-            step.fp_attrs = raw
+        if len(given) == len(normalized):  # per-call seeds are never cached
+            if cache:
+                step.fp_attrs = raw
+            else:
+                step.slow_attrs = raw
 
     def _validate(self, step, flat, feed=True):
         slots = step.slots
@@ -318,34 +324,42 @@ class PythonRunner:
         return log
 
     # -- outputs ------------------------------------------------------------------------
-    def _standin(self, spec):
-        dummy = self._dummies.get(spec)
-        if dummy is None:
-            shape, dtype = spec
-            dt = dtypes.as_dtype(dtype)
-            if dt in (dtypes.resource, dtypes.variant):
-                raise Mismatch(f"cannot stand in for a {dt.name} tensor")
-            fill = b"" if dt == dtypes.string else 0
-            dummy = constant_op.constant(np.full(shape, fill, dtype=dt.as_numpy_dtype))
-            self._dummies[spec] = dummy
-        return dummy._copy_to_device(self.device)
+    def _dummy(self, spec):
+        shape, dtype = spec
+        dt = dtypes.as_dtype(dtype)
+        if dt in (dtypes.resource, dtypes.variant):
+            raise Mismatch(f"cannot stand in for a {dt.name} tensor")
+        fill = b"" if dt == dtypes.string else 0
+        dummy = self._dummies[spec] = constant_op.constant(
+            np.full(shape, fill, dtype=dt.as_numpy_dtype))
+        return dummy
 
-    def _new(self, step, out, spec):
-        s = self._standin(spec)
-        e = Entry(self, self.it, step, out)
-        self.tensors[s._id] = e
-        self.it.entries.append((e, s))
-        e.value = step.static[out]
-        return s
+    def _new_outputs(self, step, specs, start=0):
+        """Stand-ins for ``step``'s outputs ``start, start + 1, ...`` with their hook-table
+        entries. Returns the stand-ins and the entries."""
+        it, tensors, dummies, device = self.it, self.tensors, self._dummies, self.device
+        escaping = it.entries
+        outs, entries = [], []
+        for k, spec in enumerate(specs, start):
+            dummy = dummies.get(spec)
+            if dummy is None:
+                dummy = self._dummy(spec)
+            s = dummy._copy_to_device(device)
+            e = Entry(self, it, step, k, step.static[k])
+            tensors[s._id] = e
+            escaping.append((e, s))
+            outs.append(s)
+            entries.append(e)
+        return outs, entries
 
     def _result(self, node, out):
         step = self.step_of[node]
-        s = self._new(step, out, node.out_specs[out])
+        outs, entries = self._new_outputs(step, (node.out_specs[out],), out)
         if len(node.sigs) > 1 or step.dynamic:
-            return self._fetched(self.tensors[s._id])
-        return s
+            return self._fetched(entries[0])
+        return outs[0]
 
-    def _run(self, step, flat, info, fast):
+    def _run(self, step, flat):
         inputs = self._validate(step, flat)
         specs = step.out_specs
         if step.check_shapes:
@@ -354,18 +368,17 @@ class PythonRunner:
             specs = step.node.sigs.get(key)
             if specs is None:
                 raise Mismatch(f"{step.op_type} called with new input shapes {key}")
-        outs = [self._new(step, k, spec) for k, spec in enumerate(specs)]
-        entries = [self.tensors[s._id] for s in outs]
+        outs, entries = self._new_outputs(step, specs)
         if step.dynamic:
-            outs = [self._fetch_now(step, k, s) for k, s in enumerate(outs)]
+            outs = [self._fetch_now(step, k, e) for k, e in enumerate(entries)]
         self.it.log.append((step, inputs, entries, None))
-        self._advance(1)
-        if not fast:
-            return outs
-        return _pack_fast(info, step, outs)
+        self.pos += 1
+        if self.pos == self.n_steps:
+            self._path_end()
+        return outs
 
-    def _fetch_now(self, step, k, standin):
-        value = self._fetched(self.tensors[standin._id])
+    def _fetch_now(self, step, k, entry):
+        value = self._fetched(entry)
         if value._shape_tuple() != step.out_specs[k][0] and not step.check_shapes:
             raise Mismatch(f"{step.op_type} produced a new (data-dependent) shape")
         return value
@@ -530,6 +543,24 @@ def _flatten(info, inputs):
         else:
             flat.append(a)
     return flat
+
+
+def _fast_inputs(info, inputs):
+    """Fast-path arguments that are not all EagerTensors, as the C fast path treats them:
+    variables are read (here, through the door, so the read is matched like any op), plain
+    Python values are left for conversion, anything else makes the fast path give up."""
+    inputs = list(inputs)
+    for k, a in enumerate(inputs):
+        if type(a) is _EagerTensor:
+            continue
+        if isinstance(a, _Variable):
+            inputs[k] = a.value()
+        elif info.list_inputs[k] and isinstance(a, (list, tuple)):
+            if not all(type(x) is _EagerTensor or isinstance(x, _PLAIN) for x in a):
+                raise _fallback_exception()
+        elif not isinstance(a, _PLAIN) and not _plain_nested(a):
+            raise _fallback_exception()
+    return inputs
 
 
 def _plain_nested(a):
