@@ -17,6 +17,18 @@ from terra.tracegraph import NodeKind
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
 
 
+def watch_read(tapes, op_type, handle):
+    """Let open tapes watch a variable read whose Python side ran while they were not real.
+
+    Eager tapes learn of a variable from ``variable_accessed`` before the read op runs. In
+    co-execution no real tape is active then, so a read replayed, or run eagerly right after
+    a fallback, must be announced here or its gradient would be missing."""
+    if op_type in _READS:
+        for tape in tapes:
+            if tape.watch_accessed_variables and tape.real is not None:
+                tape.real.watch(handle)
+
+
 def restore(job, timeout):
     """Wait for ``job`` to stop and put back the variables it may have written."""
     if not job.done.wait(timeout):
@@ -65,10 +77,7 @@ def replay(log, recorder):
                                    _flat_attrs(node.attrs), outs, node.location)
             else:
                 args = [_tensor(real(x), s) for x, s in zip(inputs, step.slots)]
-                if node.op_type in _READS:
-                    for tape in tapes:
-                        if tape.watch_accessed_variables and tape.real is not None:
-                            tape.real.watch(args[0])
+                watch_read(tapes, node.op_type, args[0] if args else None)
                 attrs = _flat_attrs(node.attrs)
                 try:
                     results = execute.execute_with_callbacks(

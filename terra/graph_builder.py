@@ -1,4 +1,4 @@
-"""GraphGenerator: one symbolic graph from a path of the TraceGraph (paper §3.2.2).
+"""GraphGenerator: one symbolic graph from the whole TraceGraph (paper §3.2.2).
 
 The graph is a ConcreteFunction. Graph-side ops are recreated from their recorded type and
 attributes with ``create_op``; TF's automatic control dependencies order variable reads and
@@ -7,15 +7,21 @@ Output Fetching points ``QueueEnqueueV2``; every dequeue waits for the enqueues 
 that precede it in Python's order (Fig. 3.4), so the graph never waits for a value Python can
 only produce after a fetch the graph has not served yet.
 
-Alongside the function it emits the PythonRunner's plan: one :class:`Step` per path node with
-everything the hot path needs precomputed (channels, output specs, static values).
+A node with several successors is a branch point: the ops after it become a
+``tf.switch_case`` whose index (the Case Select input) the PythonRunner feeds once it knows
+which successor the iteration takes. Until merge-back lands, the TraceGraph is a tree of
+traces, so each branch holds the rest of its iteration and no value has to leave a branch;
+fetched and escaping values go out through channels.
+
+Alongside the function it emits the PythonRunner's plan: one :class:`Step` per node with
+everything the hot path needs precomputed (channels, output specs, static values, successors).
 """
 
 import itertools
 
 from tensorflow.python.eager import context, def_function
 from tensorflow.python.framework import constant_op, ops, tensor_util
-from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.ops import control_flow_switch_case, gen_resource_variable_ops
 
 from terra import opdefs
 from terra.queues import Channel
@@ -27,14 +33,23 @@ _names = itertools.count()
 
 
 class Step:
-    """What the PythonRunner does at one position of the path."""
+    """What the PythonRunner does at one node of the TraceGraph."""
 
     __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
-                 "check_shapes", "fetch", "static", "dynamic", "python", "out_feed", "result",
-                 "body_len", "results", "pack", "slow_attrs", "list_inputs")
+                 "check_shapes", "fetch", "has_fetch", "static", "dynamic", "python", "out_feed",
+                 "body", "results", "pack", "slow_attrs", "next", "select",
+                 "visits")
 
-    def __init__(self, node: TraceNode):
+    def __init__(self, node: TraceNode | None):
         self.node = node
+        self.next = []  # successor steps, None for the end of the iteration
+        self.select = None  # Case Select channel when there is more than one successor
+        self.has_fetch = False
+        self.visits = 0  # iterations that passed this step: the position in its channels
+        self.body = []  # GRAD: the steps of its region, which Python skips
+        if node is None:  # the start of the iteration
+            self.kind = NodeKind.START
+            return
         self.kind = node.kind
         self.op_type = node.op_type
         self.attrs = node.attrs
@@ -50,36 +65,35 @@ class Step:
         self.dynamic = False  # output shapes depend on data: fetch instead of a stand-in
         self.python = node.kind == NodeKind.OP and not node.in_graph
         self.out_feed = [None] * n_out  # python op outputs the graph consumes
-        self.result = {}  # out -> index among the function's outputs
-        self.body_len = node.body_len
         self.results = node.results
         self.pack = None  # how the fast path groups outputs, learned on first use
-        self.list_inputs = node.kind == NodeKind.OP and any(opdefs.info(node.op_type).list_inputs)
+
+    def __repr__(self):
+        return "<start>" if self.node is None else f"<step {self.node!r} {self.op_type}>"
 
 
 class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
-    def __init__(self, path, steps, function, outputs, written):
-        self.path = path
-        self.steps = steps
+    def __init__(self, start, steps, function, written):
+        self.start = start  # Step before the first op; ``start.next`` are the first steps
+        self.steps = steps  # {TraceNode: Step}
         self.function = function
-        self.outputs = outputs  # [(node, out)] returned by the function
         self.written = written  # [(handle, dtype)] variables the graph writes
         inference = function._inference_function
         self.fn_name = inference.name.decode()
         self.captures = list(function.captured_inputs)
-        self.n_outputs = len(function.function_type.flat_outputs) if outputs else 0
         self.call_attrs = tuple(itertools.chain(
             *context.context().function_call_options.as_attrs().items()))
         self.snapshot_fn = _snapshot_function(written)
-        self.fetch_channels = [(s, c) for s in steps for c in s.fetch if c is not None]
 
     def __str__(self):
-        feeds = sum(c is not None for s in self.steps for c in s.feed + s.out_feed)
-        fetches = sum(c is not None for s in self.steps for c in s.fetch)
+        steps = self.steps.values()
+        feeds = sum(c is not None for s in steps for c in s.feed + s.out_feed)
+        fetches = sum(c is not None for s in steps for c in s.fetch)
+        selects = sum(s.select is not None for s in [self.start, *steps])
         return (f"SymbolicGraph({len(self.steps)} steps, {feeds} feeds, {fetches} fetches, "
-                f"{len(self.outputs)} outputs, {len(self.written)} written variables)")
+                f"{selects} switch-cases, {len(self.written)} written variables)")
 
 
 def _snapshot_function(written):
@@ -103,25 +117,49 @@ def _var_dtype(node):
     return attrs.get("dtype", attrs.get("T"))
 
 
+def _plan(tracegraph):
+    """One Step per node, linked: ``next`` follows the TraceGraph's edges, except that a
+    gradient head continues after its region (Python skips the backward ops)."""
+    steps = {n: Step(n) for n in tracegraph.nodes if n.kind not in (NodeKind.START, NodeKind.END)}
+    start = Step(None)
+
+    def successors(node):
+        return [None if s.kind is NodeKind.END else steps[s] for s in node.succs]
+
+    for node, step in [(tracegraph.start, start), *steps.items()]:
+        last = node
+        if step.kind is NodeKind.GRAD:
+            for _ in range(node.body_len):
+                if len(last.succs) != 1:
+                    raise NotImplementedError(f"{node.format()}: the gradient region branches")
+                last = last.succs[0]
+                step.body.append(steps[last])
+        step.next = successors(last)
+        if len(step.next) > 1:
+            with ops.init_scope():
+                step.select = Channel(3, ())  # int32 scalar: the index into ``next``
+    return start, steps
+
+
 def _unseen_by_python(steps):
     """Backward ops inside gradient regions that are not gradient results: the PythonRunner
     skips them, so it never needs their values (nor their data-dependent shapes)."""
     unseen = set()
-    for i, step in enumerate(steps):
+    for step in steps.values():
         if step.kind == NodeKind.GRAD:
-            unseen.update(s.node for s in steps[i + 1:i + 1 + step.body_len])
+            unseen.update(s.node for s in step.body)
             for r in step.results:
                 unseen.difference_update(p[0] for p in (r or ())[1:] if p is not None)
     return unseen
 
 
-def generate(path: list[TraceNode]) -> SymbolicGraph:
-    """Build the symbolic graph for one path (start and end excluded)."""
-    steps = [Step(n) for n in path]
+def generate(tracegraph) -> SymbolicGraph:
+    """Build the symbolic graph for every path of the TraceGraph."""
+    start, steps = _plan(tracegraph)
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     unseen = _unseen_by_python(steps)
-    for step in steps:
+    for step in steps.values():
         if step.node in unseen and any(slot.kind == "feed" for slot in step.slots):
             raise NotImplementedError(
                 f"{step.node.format()}: a backward op reads a value that changes every step; "
@@ -135,7 +173,7 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
                 graph_consumed.add((slot.node, slot.out))
 
     with ops.init_scope():
-        for step in steps:
+        for step in steps.values():
             node = step.node
             for i, slot in enumerate(step.slots):
                 if slot.kind == "feed" and step.kind == NodeKind.OP and not step.python:
@@ -144,19 +182,24 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
                 if step.python and (node, k) in graph_consumed:
                     step.out_feed[k] = Channel(dtype, node.out_relaxed[k])
 
-    outputs = []
     written = {}
 
     def body():
-        g = ops.get_default_graph()
-        env = {}
+        top = ops.get_default_graph()
+        outer = {}  # id -> the top graph's capture of an eager tensor (handles, variables)
+        env = {}  # (node, out) -> graph tensor
         slot_env = {}  # (node, input index) -> graph tensor of an external input
-        last_fetch = []
 
-        def dequeue(channel):
+        def captured(t):
+            c = outer.get(t._id)
+            if c is None:
+                c = outer[t._id] = top.capture(t)
+            return c
+
+        def dequeue(channel, last_fetch):
             with ops.control_dependencies(last_fetch):
-                op = g._create_op_internal(
-                    "QueueDequeueV2", [g.capture(channel.handle)],
+                op = ops.get_default_graph()._create_op_internal(
+                    "QueueDequeueV2", [captured(channel.handle)],
                     attrs={"component_types": opdefs.attr_value("list(type)", [channel.dtype]),
                            "timeout_ms": opdefs.attr_value("int", -1)})
             t = op.outputs[0]
@@ -164,27 +207,26 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
                 t.set_shape(channel.shape)
             return t
 
-        def enqueue(step, k, t):
+        def enqueue(step, k, t, last_fetch):
             shape = tuple(t.shape.as_list()) if t.shape.rank is not None else None
             with ops.init_scope():  # the graph's shape: relaxed where observations differ
                 channel = Channel(t.dtype.as_datatype_enum, shape)
             with ops.control_dependencies(last_fetch):
-                op = g._create_op_internal(
-                    "QueueEnqueueV2", [g.capture(channel.handle), t],
+                op = ops.get_default_graph()._create_op_internal(
+                    "QueueEnqueueV2", [captured(channel.handle), t],
                     attrs={"Tcomponents": opdefs.attr_value("list(type)", [channel.dtype]),
                            "timeout_ms": opdefs.attr_value("int", -1)})
             last_fetch[:] = [op]
             step.fetch[k] = channel
+            step.has_fetch = True
 
-        for step in steps:
+        def emit(step, last_fetch):
             node = step.node
-            if step.kind != NodeKind.OP:
-                continue
             if step.python:
                 for k, channel in enumerate(step.out_feed):
                     if channel is not None:
-                        env[(node, k)] = dequeue(channel)
-                continue
+                        env[(node, k)] = dequeue(channel, last_fetch)
+                return
             inputs = []
             for i, slot in enumerate(step.slots):
                 if slot.kind == "node":
@@ -193,14 +235,15 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
                 if slot.kind == "same":
                     t = slot_env[(slot.node, slot.out)]
                 elif slot.kind in ("var", "capture"):
-                    t = g.capture(slot.tensor)
+                    t = captured(slot.tensor)
                 elif slot.kind == "const":
                     t = constant_op.constant(slot.value, dtype=slot.dtype)
                 else:
-                    t = dequeue(step.feed[i])
+                    t = dequeue(step.feed[i], last_fetch)
                 slot_env[(node, i)] = t
                 inputs.append(t)
-            op = g._create_op_internal(node.op_type, inputs, attrs=_attr_protos(node))
+            op = ops.get_default_graph()._create_op_internal(node.op_type, inputs,
+                                                             attrs=_attr_protos(node))
             for k, t in enumerate(op.outputs):
                 env[(node, k)] = t
                 shape, dtype = step.out_specs[k]
@@ -213,21 +256,49 @@ def generate(path: list[TraceNode]) -> SymbolicGraph:
                     if slot.kind == "var":
                         written.setdefault(slot.tensor._id, (slot.tensor, _var_dtype(node)))
             for k, t in enumerate(op.outputs):
-                wanted = k in node.fetched or (node, k) in consumers_needing_value
+                wanted = (k in node.fetched or k in node.escaped
+                          or (node, k) in consumers_needing_value)
                 if wanted or step.dynamic and node not in unseen:
                     value = tensor_util.constant_value(t) if wanted else None
                     if value is not None:
                         with ops.init_scope():
                             step.static[k] = constant_op.constant(value)
                     else:
-                        enqueue(step, k, t)
-                if k in node.escaped or k in node.fetched:
-                    step.result[k] = len(outputs)
-                    outputs.append((node, k))
-        return [env[x] for x in outputs]
+                        enqueue(step, k, t, last_fetch)
+
+        def emit_from(step, last_fetch):
+            """Emit ``step`` and what follows it; a branch point becomes a switch-case
+            whose branches each emit the rest of their iteration."""
+            while True:
+                if step.kind is NodeKind.OP:
+                    emit(step, last_fetch)
+                for body_step in step.body:  # GRAD: the backward ops Python skips
+                    emit(body_step, last_fetch)
+                nxt = step.next
+                if step.select is not None:
+                    index = dequeue(step.select, last_fetch)
+                    branches = [_branch(emit_from, s) for s in nxt]
+                    with ops.control_dependencies(last_fetch):
+                        control_flow_switch_case.switch_case(index, branches)
+                    return
+                if nxt[0] is None:
+                    return
+                step = nxt[0]
+
+        emit_from(start, [])
 
     body.__name__ = f"terra_step_{next(_names)}"
     function = def_function.function(body, autograph=False)
     function = function.get_concrete_function()
-    return SymbolicGraph(path, steps, function, outputs, list(written.values()))
+    return SymbolicGraph(start, steps, function, list(written.values()))
 
+
+def _branch(emit_from, step):
+    """One switch-case branch. It starts after the fetches before the switch (the switch op
+    waits for them), so its own ordering starts empty."""
+
+    def branch():
+        if step is not None:
+            emit_from(step, [])
+
+    return branch

@@ -16,14 +16,14 @@ from tensorflow.python.eager import cancellation, context, execute
 
 
 class Job:
-    __slots__ = ("graph", "cm", "done", "outputs", "error", "snapshot", "cancelled",
+    __slots__ = ("graph", "cm", "done", "error", "snapshot", "cancelled",
                  "submitted", "started", "exec_time")
 
     def __init__(self, graph):
         self.graph = graph
         self.cm = cancellation.CancellationManager()
         self.done = threading.Event()
-        self.outputs = self.error = self.snapshot = None
+        self.error = self.snapshot = None
         self.cancelled = self.submitted = self.started = False
         self.exec_time = 0.0
 
@@ -78,9 +78,8 @@ class GraphRunner:
         try:
             if g.snapshot_fn is not None:
                 job.snapshot = g.snapshot_fn()
-            outputs = execute.execute_with_cancellation(
-                g.fn_name, g.n_outputs, g.captures, g.call_attrs, ctx, job.cm)
-            job.outputs = outputs or []
+            execute.execute_with_cancellation(
+                g.fn_name, 0, g.captures, g.call_attrs, ctx, job.cm)
         except Exception as e:  # noqa: BLE001 - every failure is handed to the PythonRunner
             job.error = e
             if not job.cancelled:

@@ -36,7 +36,8 @@ _IGNORED_KEY_ATTRS = frozenset({"seed2"})
 class OpInfo:
     """Cached facts about one op type."""
 
-    __slots__ = ("name", "op_def", "n_inputs", "list_inputs", "attr_types", "in_graph")
+    __slots__ = ("name", "op_def", "n_inputs", "list_inputs", "has_list", "attr_types",
+                 "in_graph")
 
     def __init__(self, name, op_def):
         self.name = name
@@ -44,12 +45,14 @@ class OpInfo:
         if op_def is None:  # a function call: its op type is the function's name
             self.n_inputs = None
             self.list_inputs = ()
+            self.has_list = False
             self.attr_types = {}
             self.in_graph = False
             return
         args = op_def.input_arg
         self.n_inputs = len(args)
         self.list_inputs = tuple(bool(a.number_attr or a.type_list_attr) for a in args)
+        self.has_list = any(self.list_inputs)
         self.attr_types = {a.name: a.type for a in op_def.attr}
         self.in_graph = (not op_def.is_stateful or name in _VARIABLE_OPS
                          or name.startswith(_VARIABLE_PREFIXES) or name in _PURE_STATEFUL_OPS)

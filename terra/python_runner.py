@@ -22,6 +22,7 @@ from tensorflow.python.framework import constant_op, dtypes, ops
 from tensorflow.python.ops import resource_variable_ops
 
 from terra import opdefs
+from terra.graph_builder import Step
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.tracegraph import NodeKind
 
@@ -58,25 +59,25 @@ class IterationAborted(RuntimeError):
 
 
 class Iteration:
-    __slots__ = ("index", "job", "log", "entries", "done_path", "fed")
+    __slots__ = ("job", "log", "entries", "fed", "fetch_visits")
 
-    def __init__(self, index, job):
-        self.index = index  # n-th iteration of the current graph: the channel position
+    def __init__(self, job):
         self.job = job
         self.log = []  # (step, inputs, outputs, extra) per matched step, for replay
         self.entries = []
-        self.done_path = False
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
+        self.fetch_visits = []  # (step, visit) of the steps with fetch channels it passed
 
 
 class Entry:
     """Hook-table entry of a tensor the PythonRunner handed to Python."""
 
-    __slots__ = ("runner", "iteration", "step", "out", "value")
+    __slots__ = ("runner", "iteration", "step", "out", "value", "visit")
 
     def __init__(self, runner, iteration, step, out, value=None):
         self.runner, self.iteration, self.step, self.out = runner, iteration, step, out
         self.value = value  # the real EagerTensor once known
+        self.visit = step.visits  # its position in the step's fetch channels
 
     @property
     def node(self):
@@ -120,9 +121,7 @@ def _shape_ok(shape, want):
 class PythonRunner:
     def __init__(self, graph, tensors, original_numpy, watchdog, timeout, fallback, start):
         self.graph = graph
-        self.steps = graph.steps
-        self.n_steps = len(graph.steps)
-        self.step_of = {s.node: s for s in graph.steps}
+        self.step_of = graph.steps
         self.tensors = tensors
         self.original_numpy = original_numpy
         self.watchdog = watchdog
@@ -132,7 +131,9 @@ class PythonRunner:
         self.ctx = context.context()
         self.device = self.ctx.device_name or "/job:localhost/replica:0/task:0/device:CPU:0"
         self._dummies = {}
-        self.pos = 0
+        fanout = max(len(s.next) for s in [graph.start, *graph.steps.values()])
+        self._case_index = [constant_op.constant(i, dtype=dtypes.int32) for i in range(fanout)]
+        self.cur = graph.start  # the last matched step
         self.it = None
         self.wait_cm = cancellation.CancellationManager()
         self.stall_time = 0.0
@@ -140,10 +141,20 @@ class PythonRunner:
     # -- iteration ----------------------------------------------------------------------
     def begin(self, it: Iteration):
         self.it = it
-        self.pos = 0
+        self.cur = self.graph.start
 
     def at_end(self) -> bool:
-        return self.pos == self.n_steps
+        """Whether the iteration may end here: a recorded iteration ended at this step."""
+        return None in self.cur.next
+
+    def end_path(self):
+        """The iteration ends here: tell the graph (if the path could also go on) and wait
+        for it to finish, so a graph-side error belongs to this iteration."""
+        cur = self.cur
+        if cur.select is not None:
+            cur.select.put(self._case_index[cur.next.index(None)])
+            self.cur = _ENDED
+        self._path_end()
 
     # -- the two doors ------------------------------------------------------------------
     def fast(self, ctx, op_type, name, args):
@@ -156,11 +167,11 @@ class PythonRunner:
             if type(a) is not _EagerTensor:
                 inputs = _fast_inputs(info, inputs)  # may read variables (ops of their own)
                 break
-        step = self._expect(_OP, op_type)
         attrs = args[n:]
+        flat = _flatten(info, inputs) if info.has_list else inputs
+        step = self._expect(_OP, op_type, lambda s: self._fits(s, attrs, flat, True))
         if attrs != step.fp_attrs:
             self._check_attrs(step, op_type, attrs, cache=True)
-        flat = _flatten(info, inputs) if step.list_inputs else inputs
         if step.python:
             real = [[self._real(x) for x in a] if type(a) in (list, tuple) else self._real(a)
                     for a in inputs]
@@ -174,7 +185,7 @@ class PythonRunner:
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         op_type = opdefs.op_name(op_type)
-        step = self._expect(_OP, op_type)
+        step = self._expect(_OP, op_type, lambda s: self._fits(s, attrs, inputs, False))
         if attrs != step.slow_attrs:
             self._check_attrs(step, op_type, attrs, cache=False)
         if step.python:
@@ -186,16 +197,17 @@ class PythonRunner:
 
     # -- tape events --------------------------------------------------------------------
     def mark(self, what, attrs, tensors, extra):
-        step = self._expect(NodeKind.MARK, what)
+        step = self._expect(NodeKind.MARK, what, lambda s: s.attrs == attrs)
         if step.attrs != attrs:
             raise Mismatch(f"tape {what} with different settings")
         inputs = self._validate(step, list(tensors), feed=False)
         self.it.log.append((step, inputs, (), extra))
-        self._advance(1)
+        self._move(step)
 
     def gradient(self, attrs, tensors, extra):
         """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""
-        step = self._expect(NodeKind.GRAD, "gradient")
+        step = self._expect(NodeKind.GRAD, "gradient", lambda s: s.attrs == attrs and
+                            self._fits(s, None, tensors, None))
         if step.attrs != attrs:
             raise Mismatch("gradient call with different arguments")
         inputs = self._validate(step, list(tensors), feed=False)
@@ -212,31 +224,66 @@ class PythonRunner:
                   for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices")
                             else (g,)) if x is not None]
         self.it.log.append((step, inputs, leaves, extra))
-        self._advance(1 + step.body_len)
+        for body_step in step.body:
+            if body_step.has_fetch:  # the graph fills its channels whether or not Python looks
+                self.it.fetch_visits.append((body_step, body_step.visits))
+                body_step.visits += 1
+        self._move(step)
         return flat
 
-    def _advance(self, n):
-        self.pos += n
-        if self.pos == self.n_steps:
+    def _move(self, step):
+        """``step`` is matched. At the last step of a path wait for the graph to finish the
+        iteration, so a graph-side error is raised inside the iteration that caused it."""
+        self.cur = step
+        if step.has_fetch:
+            self.it.fetch_visits.append((step, step.visits))
+            step.visits += 1
+        if step.next[0] is None and len(step.next) == 1:
             self._path_end()
 
     def _path_end(self):
-        """The last step of the path waits for the graph to finish the iteration, so a
-        graph-side error is raised inside the iteration that caused it."""
         try:
-            self._wait_job(self.it.job, self.steps[-1])
+            self._wait_job(self.it.job, self.cur)
         except GraphFailed as g:
             g.at_end = True
             raise
 
     # -- validation ---------------------------------------------------------------------
-    def _expect(self, kind, op_type):
-        if self.pos == self.n_steps:
-            raise PathEnded(f"{op_type} after the end of the recorded iteration")
-        step = self.steps[self.pos]
-        if step.op_type != op_type or step.kind is not kind:
-            raise Mismatch(f"expected {step.op_type}, got {op_type}")
+    def _expect(self, kind, op_type, fits):
+        """The step the next event must match. At a branch point, the successor it fits
+        (``fits(step)`` tells candidates of the same type apart); the choice is sent to the
+        graph as the Case Select of the switch-case that follows."""
+        nxt = self.cur.next
+        if len(nxt) == 1:
+            step = nxt[0]
+            if step is None:
+                raise PathEnded(f"{op_type} after the end of the recorded iteration")
+            if step.op_type != op_type or step.kind is not kind:
+                raise Mismatch(f"expected {step.op_type}, got {op_type}")
+            return step
+        found = [(i, s) for i, s in enumerate(nxt)
+                 if s is not None and s.kind is kind and s.op_type == op_type]
+        if len(found) > 1:
+            found = [(i, s) for i, s in found if fits(s)] or found[:1]
+        if not found:
+            if None in nxt:
+                raise PathEnded(f"{op_type} after the end of a recorded iteration")
+            raise Mismatch(f"new branch: {op_type} where the recorded iterations had "
+                           + ", ".join(sorted({s.op_type for s in nxt if s is not None})))
+        i, step = found[0]
+        self.cur.select.put(self._case_index[i])
         return step
+
+    def _fits(self, step, attrs, flat, fast):
+        """Whether an op with these attrs (None: not checked) and inputs matches ``step``;
+        without side effects that matter (nothing is fed)."""
+        try:
+            if attrs is not None and attrs != (step.fp_attrs if fast else step.slow_attrs):
+                self._check_attrs(step, step.op_type, attrs, cache=fast)
+            self._validate(step, list(flat), feed=False)
+        except Mismatch:
+            return False
+        return True
 
     def _check_attrs(self, step, op_type, raw, cache):
         normalized = opdefs.normalize_attrs(op_type, raw)
@@ -372,9 +419,7 @@ class PythonRunner:
         if step.dynamic:
             outs = [self._fetch_now(step, k, e) for k, e in enumerate(entries)]
         self.it.log.append((step, inputs, entries, None))
-        self.pos += 1
-        if self.pos == self.n_steps:
-            self._path_end()
+        self._move(step)
         return outs
 
     def _fetch_now(self, step, k, entry):
@@ -399,7 +444,7 @@ class PythonRunner:
         for o in outs:
             flat_outs.extend(o if isinstance(o, (list, tuple)) else [o])
         self.it.log.append((step, inputs, flat_outs, None))
-        self._advance(1)
+        self._move(step)
         relaxed = step.node.out_relaxed
         if len(flat_outs) != len(relaxed):
             raise RanThenMismatch(f"{step.op_type} {step.node!r} returned {len(flat_outs)} "
@@ -427,31 +472,21 @@ class PythonRunner:
         return a if e is None else self.value_of(e)
 
     def value_of(self, e: Entry):
-        """The real tensor behind an entry: known, fetched from its channel, or taken from
-        its iteration's function outputs. Raises Mismatch if the graph does not provide it
-        (the caller falls back)."""
+        """The real tensor behind an entry: known, or fetched from its channel. Raises
+        Mismatch if the graph does not provide it (the caller falls back)."""
         if e.value is not None:
             return e.value
-        step, out, it = e.step, e.out, e.iteration
-        channel = step.fetch[out]
-        if it is self.it and channel is not None:
-            e.value = self._wait(lambda: channel.get_nth(it.index, self.wait_cm), step)
-            return e.value
-        index = step.result.get(out)
-        if index is not None and (it is not self.it or it.done_path or self.at_end()):
-            self._wait_job(it.job, step)
-            if it.job.outputs is None:
-                raise IterationAborted(
-                    f"the value of {step.op_type} at {_where(step)} is unavailable: its "
-                    "iteration's graph execution was cancelled or failed")
-            e.value = it.job.outputs[index]
-            return e.value
-        if it is not self.it:
+        step, it = e.step, e.iteration
+        if it is not self.it:  # finish() gave every value of a closed iteration Python kept
             raise IterationAborted(
                 f"the value of {step.op_type} at {_where(step)} is unavailable: its "
-                "iteration ended before the value was recorded as needed")
-        raise Mismatch(f"new fetch point: value of {step.op_type} {step.node!r} "
-                       f"({_where(step)})")
+                "iteration's graph execution was cancelled or failed")
+        channel = step.fetch[e.out]
+        if channel is None:
+            raise Mismatch(f"new fetch point: value of {step.op_type} {step.node!r} "
+                           f"({_where(step)})")
+        e.value = self._wait(lambda: channel.get_nth(e.visit, self.wait_cm), step)
+        return e.value
 
     def _wait(self, fetch, step):
         self.start(self.it.job)  # lazy mode: the graph runs only once Python needs it
@@ -489,14 +524,17 @@ class PythonRunner:
 
     # -- end of iteration ---------------------------------------------------------------
     def finish(self):
-        """Sweep this iteration's tensors: keep entries Python still holds (escapes). Drop
-        the fetched values Python did not read, so the unbounded channels do not grow."""
+        """Sweep this iteration's tensors: keep entries Python still holds (escapes) and give
+        them their values. Drain the fetched values nobody read, so the unbounded channels
+        do not grow. Returns the kept entries the graph gave no value."""
         it = self.it
-        for step, channel in self.graph.fetch_channels:
-            if channel.taken <= it.index:
-                self._wait(lambda c=channel: c.get_nth(it.index, self.wait_cm), step)
+        got = {}
+        for step, visit in it.fetch_visits:
+            for k, channel in enumerate(step.fetch):
+                if channel is not None and channel.taken <= visit:
+                    got[(step, visit, k)] = self._wait(
+                        lambda c=channel, v=visit: c.get_nth(v, self.wait_cm), step)
         uncovered = []
-        outputs = it.job.outputs  # the job is done: the runner waited at the path's end
         tensors = self.tensors
         for e, t in it.entries:
             if sys.getrefcount(t) <= _BASE_REFS + (e.value is t):
@@ -504,11 +542,10 @@ class PythonRunner:
                 continue
             # Python still holds it: give it its value now, forget it when Python does
             weakref.finalize(t, tensors.pop, t._id, None)
-            index = e.step.result.get(e.out)
-            if e.value is None and (index is None or outputs is None):
-                uncovered.append(e)
-            elif e.value is None:
-                e.value = outputs[index]
+            if e.value is None:
+                e.value = got.get((e.step, e.visit, e.out))
+                if e.value is None:
+                    uncovered.append(e)
         it.entries = []
         if not uncovered:  # nothing left to replay: let go of the batches, tapes, snapshot
             it.log = it.fed = it.job.snapshot = None
@@ -614,6 +651,11 @@ def _indexed_slices(values, indices, dense_shape):
 
     return indexed_slices.IndexedSlices(values, indices, dense_shape)
 
+
+# Where the runner is once an iteration has ended at a branch point: any further op is past
+# the end.
+_ENDED = Step(None)
+_ENDED.next = [None]
 
 # A tensor referenced only by the iteration's entry list: the tuple, the loop variable and
 # getrefcount's argument.

@@ -15,7 +15,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
 from terra import fallback as fallback_lib
-from terra import interception, materialize
+from terra import interception, materialize, opdefs
 from terra.config import config
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
@@ -98,6 +98,7 @@ class CoexecDoor:
         except (Mismatch, GraphFailed) as why:
             if rt.recover(why):
                 return why.result
+        fallback_lib.watch_read(rt.open_tapes, op_type, args[0] if args else None)
         return rt.tracing_door.fast(ctx, op_type, name, args)
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
@@ -107,6 +108,8 @@ class CoexecDoor:
         except (Mismatch, GraphFailed) as why:
             if rt.recover(why):
                 return why.result
+        fallback_lib.watch_read(rt.open_tapes, opdefs.op_name(op_type),
+                                inputs[0] if inputs else None)
         return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
 
 
@@ -121,7 +124,6 @@ class Runtime:
         self.recorder = None
         self.runner = None
         self.graph = None
-        self.graph_index = 0
         self.unsupported = None
         self.events = []  # fallbacks and other notes for explain()
         self.ctx = context.context()
@@ -216,8 +218,7 @@ class Runtime:
         elif self.phase == "coexecution":
             # the previous iteration's job is done: the runner waits for it at its path's end
             job = Job(self.graph)
-            it = Iteration(self.graph_index, job)
-            self.graph_index += 1
+            it = Iteration(job)
             if not config.lazy:  # lazy: the PythonRunner submits when it first waits
                 self.graph_runner.submit(job)
             self.runner.begin(it)
@@ -235,7 +236,11 @@ class Runtime:
     def _close_iteration(self):
         """The whole path was matched: sweep the iteration's stand-ins (falling back if one
         that Python still holds has no value the graph returns) and count it."""
-        self.runner.it.done_path = True
+        try:
+            self.runner.end_path()
+        except GraphFailed as why:  # the replay raises the error at the user's line
+            self.leave(why)
+            return
         uncovered = self.runner.finish()
         if uncovered:  # the replay gives every one of them its value
             self.leave(Mismatch("a tensor outlived its iteration but the graph does not "
@@ -274,17 +279,17 @@ class Runtime:
             return
         if len(rec.records) > config.max_trace_ops:
             return
-        covered, path = self.tracegraph.merge(rec.records)
+        covered, _ = self.tracegraph.merge(rec.records)
         self.stats.traces += 1
         if config.check:
             self.tracegraph.lint()
         if covered:
-            self._generate(path)
+            self._generate()
 
-    def _generate(self, path):
+    def _generate(self):
         try:
             with interception.paused():
-                self.graph = generate(path)
+                self.graph = generate(self.tracegraph)
         except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
             self._give_up(f"graph generation failed: {type(e).__name__}: {e}")
             return
@@ -294,7 +299,6 @@ class Runtime:
             self.stats.python_stall += self.runner.stall_time
         self.runner = PythonRunner(self.graph, _tensors, _original_numpy, self._watchdog,
                                    config.timeout, self.leave, self.graph_runner.submit)
-        self.graph_index = 0
         self.phase = "coexecution"
 
     def _give_up(self, reason):
@@ -387,9 +391,8 @@ class Runtime:
             if not self.runner.at_end():
                 self.leave(Mismatch("terra.reset() in the middle of an iteration"))
             else:
-                self.runner.it.done_path = True
                 self.graph_runner.submit(self.runner.it.job)
-                self.runner.it.job.done.wait(config.timeout)
+                self._close_iteration()
         if self.recorder is not None:
             self.ctx.remove_op_callback(self.recorder.callback)
         if self._graph_runner is not None:

@@ -137,6 +137,7 @@ class TraceNode:
         self.results = None  # GRAD: per source leaf None | ("t", (node, out)) | ("is", ...)
         self.fetched: set[int] = set()
         self.escaped: set[int] = set()
+        self.seen = 0  # traces that went through this node
 
     @property
     def key(self):
@@ -219,8 +220,10 @@ class TraceGraph:
         return all(s.matches(r, rec_nodes) for s, r in zip(node.inputs, rec.inputs))
 
     def merge(self, records: list[OpRecord]):
-        """Merge one trace. Returns ``(covered, path)``: whether nothing had to be added, and
-        the nodes the trace went through, start and end excluded.
+        """Merge one trace. Returns ``(covered, path)``: whether nothing had to be added and
+        every node of the path has now been seen at least twice (a value seen once cannot be
+        told constant from varying), and the nodes the trace went through, start and end
+        excluded.
 
         TF's backward pass visits ready ops in an order that can differ between iterations, so
         a gradient region whose head matches is first matched as a whole, order aside
@@ -259,7 +262,9 @@ class TraceGraph:
         if self.end not in cur.succs:
             covered = False
             self._link(cur, self.end)
-        return covered, path
+        for node in path:
+            node.seen += 1
+        return covered and all(node.seen > 1 for node in path), path
 
     def _add(self, rec, rec_nodes):
         node = self._new_node(NodeKind(rec.kind), rec)

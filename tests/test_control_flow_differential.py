@@ -1,0 +1,215 @@
+"""Differential tests of training steps whose op path changes from step to step (issue 3).
+
+Each program is an ordinary eager loop whose Python picks different TF ops per step: a branch on
+a counter, on a fetched loss, on ``random``, on an exception; loops driven by generators and
+recursion. Run eagerly and under Terra, every loss, gradient and variable must agree, and after
+the paths have been traced Terra must co-execute them: one graph holds every path seen, with a
+``tf.switch_case`` where they part.
+
+The trace and fallback bounds reflect the TraceGraph as built: a tree of traces (no merge-back
+yet), so everything after a branch point, the optimizer step included, exists once per path; a
+path's nodes seen in one trace only can hold a value that looked constant (a label batch) and
+cost one fallback when that path comes back.
+"""
+
+import random
+import re
+
+import tensorflow as tf
+from differential import assert_same_as_eager
+from tiny_models import batch, classification_data, sparse_xent, state
+
+STEPS = 16
+
+
+class Net:
+    """Dense layers the programs combine in different ways (a plain object, as users write)."""
+
+    def __init__(self):
+        self.inp = tf.keras.layers.Dense(32, activation="relu")
+        self.shared = tf.keras.layers.Dense(32, activation="tanh")
+        self.alt = tf.keras.layers.Dense(32, activation="relu")
+        self.out = tf.keras.layers.Dense(10)
+        self.layers = [self.inp, self.shared, self.alt, self.out]
+        for layer, width in zip(self.layers, (20, 32, 32, 32), strict=True):
+            layer.build((None, width))
+
+    @property
+    def trainable_variables(self):
+        return [v for layer in self.layers for v in layer.trainable_variables]
+
+    variables = trainable_variables
+
+
+def train(tape_cls, steps, forward, seed=0, after=None):
+    """The common loop: ``forward(net, x, step)`` builds the logits; everything else is fixed.
+    ``after(step, loss)`` runs after the optimizer step (logging, reading values)."""
+    tf.keras.utils.set_random_seed(seed)
+    random.seed(seed)
+    data = classification_data(steps * 16, 20, 10)
+    net = Net()
+    optimizer = tf.keras.optimizers.Adam(1e-2)
+    optimizer.build(net.trainable_variables)  # some steps leave layers without gradients
+    loss_fn = sparse_xent()
+    losses, grads_per_step = [], []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, forward(net, x, step))
+        grads = tape.gradient(loss, net.trainable_variables)
+        optimizer.apply_gradients(
+            (g, v) for g, v in zip(grads, net.trainable_variables, strict=True) if g is not None)
+        losses.append(float(loss))
+        grads_per_step.append([None if g is None else g.numpy() for g in grads])
+        if after is not None:
+            after(step, loss)
+    return {"losses": losses, "grads": grads_per_step, **state(net, optimizer)}
+
+
+def counter_branch(tape_cls, steps):
+    def forward(net, x, step):
+        h = net.inp(x)
+        if step % 2:
+            h = net.shared(h)
+        else:
+            h = net.alt(h) * 0.5
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_if_else_on_a_python_counter():
+    outcome = assert_same_as_eager(counter_branch, STEPS, max_traces=4, expect_fallbacks=(0, 1),
+                                   min_coexecuted=8)
+    assert re.search(r"\b[1-9]\d* switch-cases", outcome.explain), outcome.report()
+
+
+def loss_branch(tape_cls, steps):
+    """A regularizer switched on whenever the last loss was high: the branch depends on a value
+    fetched from the graph mid-iteration."""
+    def forward(net, x, step):
+        logits = net.out(net.shared(net.inp(x)))
+        if float(tf.reduce_mean(tf.square(logits))) > 0.6:
+            logits = logits * 0.9
+        return logits
+
+    return train(tape_cls, steps, forward)
+
+
+def test_branch_on_a_materialized_value():
+    assert_same_as_eager(loss_branch, STEPS, max_traces=4, expect_fallbacks=(0, 2),
+                         min_coexecuted=6)
+
+
+def sdpoint_like(tape_cls, steps):
+    """Each step picks one of three down-sampling paths with Python's ``random``."""
+    def forward(net, x, step):
+        h = net.inp(x)
+        kind = random.choice(["none", "avg", "max"])
+        if kind != "none":
+            pool = tf.nn.avg_pool1d if kind == "avg" else tf.nn.max_pool1d
+            h = tf.reshape(pool(h[:, :, None], 2, 2, "VALID"), (-1, 16))
+            h = tf.concat([h, h], axis=1)
+        return net.out(net.shared(h))
+
+    return train(tape_cls, steps, forward)
+
+
+def test_random_choice_among_three_paths():
+    assert_same_as_eager(sdpoint_like, 24, max_traces=6, expect_fallbacks=(0, 2),
+                         min_coexecuted=10)
+
+
+def try_except(tape_cls, steps):
+    """The ops depend on whether a Python lookup raises."""
+    table = {0: 0.5, 1: 2.0}
+
+    def forward(net, x, step):
+        h = net.inp(x)
+        try:
+            h = h * table[step % 3]
+        except KeyError:
+            h = net.alt(h)
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_try_except_chooses_the_ops():
+    assert_same_as_eager(try_except, STEPS, max_traces=5, expect_fallbacks=(0, 1),
+                         min_coexecuted=6)
+
+
+def generator_loop(tape_cls, steps):
+    """A generator decides how often the shared layer runs (1 to 3 times)."""
+    def repeats(step):
+        yield from range(1 + step % 3)
+
+    def forward(net, x, step):
+        h = net.inp(x)
+        for _ in repeats(step):
+            h = net.shared(h)
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_generator_driving_an_inner_loop():
+    assert_same_as_eager(generator_loop, STEPS, max_traces=6, expect_fallbacks=(0, 2),
+                         min_coexecuted=6)
+
+
+def helper_two_sites(tape_cls, steps):
+    """One helper, called from two places: its ops read different variables at each site."""
+    def block(layer, h):
+        return tf.nn.relu(layer(h)) + 0.1 * h
+
+    def forward(net, x, step):
+        h = block(net.shared, net.inp(x))
+        if step % 2:
+            h = block(net.alt, h)
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_the_same_helper_called_from_two_sites():
+    assert_same_as_eager(helper_two_sites, STEPS, max_traces=4, expect_fallbacks=(0, 1),
+                         min_coexecuted=8)
+
+
+def recursion(tape_cls, steps):
+    """A recursive helper whose depth varies per step."""
+    def deep(net, h, depth):
+        if depth == 0:
+            return h
+        return deep(net, net.shared(h) + h, depth - 1)
+
+    def forward(net, x, step):
+        return net.out(deep(net, net.inp(x), (step * 7) % 3))
+
+    return train(tape_cls, steps, forward)
+
+
+def test_recursive_helper_of_varying_depth():
+    assert_same_as_eager(recursion, STEPS, max_traces=6, expect_fallbacks=(0, 2),
+                         min_coexecuted=6)
+
+
+def late_path(tape_cls, steps):
+    """A path first taken after many co-executed steps: falls back, then co-executed. Its
+    first step reads a variable the graph never read: eager tapes only get that gradient if the
+    fallback announces the read."""
+    def forward(net, x, step):
+        h = net.inp(x)
+        if step >= 12 and step % 2 == 0:
+            h = net.alt(h)
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_a_path_first_seen_late_falls_back_then_coexecutes():
+    outcome = assert_same_as_eager(late_path, 20, max_traces=5, expect_fallbacks=(1, 2),
+                                   min_coexecuted=12)
+    assert outcome.stats.phase == "coexecution", outcome.report()
