@@ -176,7 +176,7 @@ class PythonRunner:
             real = [[self._real(x) for x in a] if type(a) in (list, tuple) else self._real(a)
                     for a in inputs]
             return self._run_python(step, _flatten(info, real),
-                                    ORIGINAL_FAST(ctx, op_type, name, *real, *attrs), fast=True)
+                                    ORIGINAL_FAST(ctx, op_type, name, *real, *attrs))
         outs = self._run(step, flat)
         plan = step.pack
         if plan == "one":
@@ -191,8 +191,7 @@ class PythonRunner:
         if step.python:
             real = [self._real(a) for a in inputs]
             return self._run_python(step, real,
-                                    ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name),
-                                    fast=False)
+                                    ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name))
         return self._run(step, inputs)
 
     # -- tape events --------------------------------------------------------------------
@@ -436,8 +435,7 @@ class PythonRunner:
         self.it.entries.append((e, value))
         return value
 
-    def _run_python(self, step, flat, result, fast):
-        inputs = flat
+    def _run_python(self, step, inputs, result):
         outs = result if isinstance(result, (list, tuple)) else \
             ([] if result is None else [result])
         flat_outs = []
