@@ -20,7 +20,7 @@ everything the hot path needs precomputed (channels, output specs, static values
 import itertools
 
 from tensorflow.python.eager import context, def_function
-from tensorflow.python.framework import constant_op, ops, tensor_util
+from tensorflow.python.framework import constant_op, dtypes, ops, tensor_util
 from tensorflow.python.ops import control_flow_switch_case, gen_resource_variable_ops
 
 from terra import opdefs
@@ -30,6 +30,7 @@ from terra.tracegraph import NodeKind, TraceNode
 _READ_ONLY_VAR_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
                                 "VariableShape"})
 _names = itertools.count()
+_INT32 = dtypes.int32.as_datatype_enum
 
 
 class Step:
@@ -137,7 +138,7 @@ def _plan(tracegraph):
         step.next = successors(last)
         if len(step.next) > 1:
             with ops.init_scope():
-                step.select = Channel(3, ())  # int32 scalar: the index into ``next``
+                step.select = Channel(_INT32, ())  # the index into ``next``
     return start, steps
 
 

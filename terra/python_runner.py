@@ -223,10 +223,9 @@ class PythonRunner:
                   for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices")
                             else (g,)) if x is not None]
         self.it.log.append((step, inputs, leaves, extra))
-        for body_step in step.body:
-            if body_step.has_fetch:  # the graph fills its channels whether or not Python looks
-                self.it.fetch_visits.append((body_step, body_step.visits))
-                body_step.visits += 1
+        for body_step in step.body:  # the graph fills their channels whether or not Python looks
+            if body_step.has_fetch:
+                self._visit(body_step)
         self._move(step)
         return flat
 
@@ -235,10 +234,14 @@ class PythonRunner:
         iteration, so a graph-side error is raised inside the iteration that caused it."""
         self.cur = step
         if step.has_fetch:
-            self.it.fetch_visits.append((step, step.visits))
-            step.visits += 1
+            self._visit(step)
         if step.next[0] is None and len(step.next) == 1:
             self._path_end()
+
+    def _visit(self, step):
+        """This iteration passed ``step``: its channels hold one more value, found by visit."""
+        self.it.fetch_visits.append((step, step.visits))
+        step.visits += 1
 
     def _path_end(self):
         try:
