@@ -53,18 +53,12 @@ def replay(log, recorder):
     """Re-execute a co-executed prefix eagerly, recording it into ``recorder``."""
     ctx = context.context()
     tapes = []  # Terra tapes the replay has re-entered, innermost last
-
-    def real(x):
-        if x is None:
-            return None
-        return x.value if hasattr(x, "step") else x
-
     for step, inputs, outs, extra in log:
         node = step.node
         recorder.location_override = node.location
         try:
             if step.kind is NodeKind.MARK:
-                _replay_mark(step, [real(x) for x in inputs], extra, recorder)
+                _replay_mark(step, [_real(x) for x in inputs], extra, recorder)
                 if step.op_type == "enter":
                     tapes.append(extra)
                 elif step.op_type == "exit":
@@ -72,11 +66,11 @@ def replay(log, recorder):
             elif step.kind is NodeKind.GRAD:
                 _replay_grad(step, outs, extra, recorder)
             elif step.python:
-                recorder.record_op(node.op_type, [_tensor(real(x), s) for x, s in
+                recorder.record_op(node.op_type, [_tensor(_real(x), s) for x, s in
                                                   zip(inputs, step.slots)],
                                    _flat_attrs(node.attrs), outs, node.location)
             else:
-                args = [_tensor(real(x), s) for x, s in zip(inputs, step.slots)]
+                args = [_tensor(_real(x), s) for x, s in zip(inputs, step.slots)]
                 watch_read(tapes, node.op_type, args[0] if args else None)
                 attrs = _flat_attrs(node.attrs)
                 try:
@@ -91,6 +85,11 @@ def replay(log, recorder):
                     entry.value = r
         finally:
             recorder.location_override = None
+
+
+def _real(x):
+    """A logged input: a PythonRunner entry (a stand-in's producer) -> its value by now."""
+    return x.value if hasattr(x, "step") else x
 
 
 def _at_user_line(error, location):
@@ -120,7 +119,9 @@ def _replay_mark(step, tensors, extra, recorder):
 
 def _replay_grad(step, entries, extra, recorder):
     tape, target, sources, output_gradients, unconnected = extra
-    resolve = recorder.swap
+    def resolve(x):
+        return recorder.swap(_real(x))
+
     result = tape.traced_gradient(nest.map_structure(resolve, target), sources,
                                   nest.map_structure(resolve, output_gradients), unconnected,
                                   step.node.location)

@@ -20,6 +20,7 @@ import numpy as np
 from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import constant_op, dtypes, ops
 from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.util import nest
 
 from terra import opdefs
 from terra.graph_builder import Step
@@ -222,12 +223,22 @@ class PythonRunner:
         leaves = [self.tensors[x._id] for g in flat if g is not None
                   for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices")
                             else (g,)) if x is not None]
-        self.it.log.append((step, inputs, leaves, extra))
+        tape, target, sources, output_gradients, unconnected = extra
+        # the log names stand-ins by their entries: holding a stand-in would make it look
+        # alive to finish() (an escape) although Python dropped it
+        self.it.log.append((step, inputs, leaves, (tape, self._entries_of(target), sources,
+                                                   self._entries_of(output_gradients),
+                                                   unconnected)))
         for body_step in step.body:  # the graph fills their channels whether or not Python looks
             if body_step.has_fetch:
                 self._visit(body_step)
         self._move(step)
         return flat
+
+    def _entries_of(self, structure):
+        tensors = self.tensors
+        return nest.map_structure(
+            lambda x: tensors.get(x._id, x) if type(x) is _EagerTensor else x, structure)
 
     def _move(self, step):
         """``step`` is matched. At the last step of a path wait for the graph to finish the
@@ -536,21 +547,30 @@ class PythonRunner:
                     got[(step, visit, k)] = self._wait(
                         lambda c=channel, v=visit: c.get_nth(v, self.wait_cm), step)
         uncovered = []
-        tensors = self.tensors
-        for e, t in it.entries:
-            if sys.getrefcount(t) <= _BASE_REFS + (e.value is t):
-                tensors.pop(t._id, None)
-                continue
-            # Python still holds it: give it its value now, forget it when Python does
-            weakref.finalize(t, tensors.pop, t._id, None)
+        for e in self.sweep(it):  # Python still holds it: give it its value now
             if e.value is None:
                 e.value = got.get((e.step, e.visit, e.out))
                 if e.value is None:
                     uncovered.append(e)
-        it.entries = []
         if not uncovered:  # nothing left to replay: let go of the batches, tapes, snapshot
             it.log = it.fed = it.job.snapshot = None
         return uncovered
+
+
+    def sweep(self, it):
+        """Forget the entries of ``it`` whose stand-ins Python has dropped (an entry holds
+        its real value, which would otherwise live on and look like an escape to the next
+        trace). Return the others; each is forgotten when Python drops its stand-in."""
+        kept = []
+        tensors = self.tensors
+        for e, t in it.entries:
+            if sys.getrefcount(t) <= _BASE_REFS + (e.value is t):
+                tensors.pop(t._id, None)
+            else:
+                weakref.finalize(t, tensors.pop, t._id, None)
+                kept.append(e)
+        it.entries = []
+        return kept
 
 
 class GraphFailed(Exception):

@@ -348,7 +348,11 @@ class Runtime:
         self.graph = None
         self.phase = "tracing"
         self._start_recording()
-        fallback_lib.replay(it.log, self.recorder)
+        try:
+            fallback_lib.replay(it.log, self.recorder)
+        finally:  # surviving stand-ins keep ``it``: let go of what only the replay needed
+            runner.sweep(it)
+            it.log = it.fed = job.snapshot = None
         if isinstance(why, GraphFailed) and why.at_end:
             # Python issued every op and eager ran them all without an error: the numbers
             # are eager's, but the graph should not have failed. Say so in explain().
