@@ -10,8 +10,9 @@ import terra
 from terra import runtime
 
 
-def train(steps, optimizer, after_step):
-    """A small MLP trained under Terra; ``after_step(step, loss)`` runs after each update."""
+def train(steps, optimizer, after_step, detour_at=None):
+    """A small MLP trained under Terra; ``after_step(step, loss)`` runs after each update.
+    At step ``detour_at`` the loss takes one extra op: a path the graph does not have."""
     tf.keras.utils.set_random_seed(0)
     data = classification_data(steps * 16, 20, 5)
     model, loss_fn = mlp(20, (16,), 5), sparse_xent()
@@ -19,9 +20,12 @@ def train(steps, optimizer, after_step):
         x, y = batch(data, step, 16)
         with terra.TerraGradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
+            if step == detour_at:
+                loss = loss * 1.0
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         after_step(step, loss)
+        del loss, grads  # nothing outlives its iteration unless after_step keeps it
 
 
 def test_fetched_values_python_stops_reading_do_not_pile_up():
@@ -55,5 +59,21 @@ def test_hook_table_forgets_tensors_python_drops_after_their_iteration():
         gc.collect()
         assert len(runtime._tensors) <= held - 20, (held, len(runtime._tensors))
         assert len(values) == 30
+    finally:
+        terra.reset()
+
+
+def test_values_of_a_fallen_back_iteration_die_with_their_stand_ins():
+    """A fallback replays the iteration eagerly and gives every stand-in its real value. The
+    values Python no longer holds must be freed: kept alive (by the hook table or the replay
+    log), the next trace takes each one for a value that outlives its iteration, and the
+    graph returns all of them every iteration."""
+    terra.reset()
+    try:
+        train(30, tf.keras.optimizers.Adam(1e-2), lambda step, loss: None, detour_at=12)
+        rt = runtime.get()
+        assert rt.stats.fallbacks >= 1 and rt.stats.coexecuted >= 10, terra.explain()
+        escaping = [node for node in rt.tracegraph.nodes if node.escaped]
+        assert not escaping, "\n".join(node.format() for node in escaping)
     finally:
         terra.reset()
