@@ -28,6 +28,12 @@ class Config:
       check: run ``TraceGraph.lint()`` after every merge (``TERRA_CHECK``).
       timeout: seconds any wait between the runners may take before it raises
         (``TERRA_TIMEOUT``).
+      freeze_gc: after generating a graph, run one full garbage collection and freeze the
+        survivors (``gc.freeze``; ``TERRA_FREEZE_GC``). Co-execution allocates ~1000
+        short-lived objects per iteration; every so often that triggers a full collection,
+        which walks everything TensorFlow and Keras created (~0.2 s on a small CPU, once per
+        few dozen steps). Frozen objects are still freed by reference counting; cyclic garbage
+        among them waits for the next generation or ``terra.reset()``, which unfreeze.
       warmup: iterations run eagerly before tracing starts; Keras creates optimizer slot
         variables during the first step, so that step is never traced.
       max_trace_ops: a trace longer than this is abandoned and the iteration runs eagerly
@@ -38,6 +44,7 @@ class Config:
     xla: bool = False
     lazy: bool = False
     check: bool = False
+    freeze_gc: bool = True
     timeout: float = 120.0
     warmup: int = 1
     max_trace_ops: int = 200_000
@@ -49,6 +56,7 @@ class Config:
             xla=_env_flag("TERRA_XLA"),
             lazy=_env_flag("TERRA_LAZY"),
             check=_env_flag("TERRA_CHECK"),
+            freeze_gc=_env_flag("TERRA_FREEZE_GC", default=True),
             timeout=float(os.environ.get("TERRA_TIMEOUT", "120")),
         )
 

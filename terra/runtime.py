@@ -8,6 +8,7 @@ Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first 
 """
 
 import dataclasses
+import gc
 
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
@@ -300,6 +301,10 @@ class Runtime:
         self.runner = PythonRunner(self.graph, _tensors, _original_numpy, self._watchdog,
                                    config.timeout, self.leave, self.graph_runner.submit)
         self.phase = "coexecution"
+        if config.freeze_gc:  # what generation left behind is collected now, not mid-run
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
 
     def _give_up(self, reason):
         self.unsupported = reason
@@ -401,6 +406,7 @@ class Runtime:
             self.ctx.remove_op_callback(self.recorder.callback)
         if self._graph_runner is not None:
             self._graph_runner.stop()
+        gc.unfreeze()
         interception.set_handler(self.tracing_door if _tensors else None)
 
 
