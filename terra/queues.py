@@ -12,10 +12,13 @@ the interception doors never see them.
 import itertools
 import threading
 
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, execute
+from tensorflow.python.eager import executor as executor_lib
 from tensorflow.python.ops import gen_data_flow_ops
 
 _ids = itertools.count()
+_feeder = executor_lib.new_executor(enable_async=True)
 
 
 class Channel:
@@ -34,8 +37,19 @@ class Channel:
         self._attrs = ("component_types", [dtype], "timeout_ms", -1)
 
     def put(self, t):
-        execute.quick_execute("QueueEnqueueV2", 0, [self.handle, t],
-                              ("Tcomponents", [self.dtype], "timeout_ms", -1), context.context())
+        """Enqueue without waiting: on TF's async executor of the feeding thread (FIFO, one
+        C++ thread, no GIL). Run synchronously, the enqueue would hand the value to the
+        graph's waiting dequeue and go on to execute the graph ops that became ready, inline
+        in the caller: the PythonRunner would compute part of the graph itself."""
+        ctx = context.context()
+        handle = ctx._context_handle
+        own = pywrap_tfe.TFE_ContextGetExecutorForThread(handle)
+        pywrap_tfe.TFE_ContextSetExecutorForThread(handle, _feeder.handle())
+        try:
+            execute.quick_execute("QueueEnqueueV2", 0, [self.handle, t],
+                                  ("Tcomponents", [self.dtype], "timeout_ms", -1), ctx)
+        finally:
+            pywrap_tfe.TFE_ContextSetExecutorForThread(handle, own)
 
     def get(self, cancellation_manager):
         """Blocking dequeue; raises ``CancelledError`` when the manager is cancelled."""
