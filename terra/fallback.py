@@ -49,10 +49,25 @@ def _flat_attrs(attrs):
     return tuple(flat)
 
 
-def replay(log, recorder):
-    """Re-execute a co-executed prefix eagerly, recording it into ``recorder``."""
-    ctx = context.context()
+def replay(log, recorder, open_tapes):
+    """Re-execute a co-executed prefix eagerly, recording it into ``recorder``.
+
+    A replay that raises (a graph-side error reproduced at its op) stops short of the exit
+    marks of the tapes it re-entered. Tapes still open in user code (``open_tapes``) are
+    exited by their own ``with``; the real tapes of those Python already left are exited here,
+    or they would stay on TF's tape stack, recording and keeping alive every later op."""
     tapes = []  # Terra tapes the replay has re-entered, innermost last
+    try:
+        _replay(log, recorder, tapes)
+    except BaseException:
+        for tape in reversed(tapes):
+            if not any(tape is t for t in open_tapes):
+                tape.exit_real()
+        raise
+
+
+def _replay(log, recorder, tapes):
+    ctx = context.context()
     for step, inputs, outs, extra in log:
         node = step.node
         recorder.location_override = node.location

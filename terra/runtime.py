@@ -354,7 +354,7 @@ class Runtime:
         self.phase = "tracing"
         self._start_recording()
         try:
-            fallback_lib.replay(it.log, self.recorder)
+            fallback_lib.replay(it.log, self.recorder, self.open_tapes)
         finally:  # surviving stand-ins keep ``it``: let go of what only the replay needed
             runner.sweep(it)
             it.log = it.fed = job.snapshot = None

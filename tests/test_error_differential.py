@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 from differential import assert_same_as_eager, record_stats
 from tensorflow.errors import InvalidArgumentError
+from tensorflow.python import pywrap_tfe
 from tiny_models import batch, classification_data, mlp, sparse_xent, state
 
 STEPS, FAILING_STEP = 12, 6  # warm-up 1 + ~2 traces, so FAILING_STEP is co-executed
@@ -157,3 +158,6 @@ def test_graph_side_error_raised_like_eager_with_user_line(kind):
         f"the error does not name {where}:\n{terra_info.value}\n{outcome.report()}"
     )
     assert_coexecution_resumed(outcome)
+    # the replay that reproduced the error re-entered a real tape of an iteration whose `with`
+    # Python had already left: left open, it would record (and keep alive) every later op
+    assert pywrap_tfe.TFE_Py_TapeSetIsEmpty(), "a real GradientTape was left recording"
