@@ -95,8 +95,14 @@ class Watchdog:
         self._cond = threading.Condition()
         self._deadline = None
         self._cm = None
+        self._stopped = False
         self.fired = False
         threading.Thread(target=self._loop, name="terra-watchdog", daemon=True).start()
+
+    def stop(self):
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
 
     def arm(self, cm, timeout):
         with self._cond:
@@ -109,7 +115,7 @@ class Watchdog:
 
     def _loop(self):
         with self._cond:
-            while True:
+            while not self._stopped:
                 if self._deadline is None:
                     self._cond.wait()
                     continue

@@ -406,6 +406,7 @@ class Runtime:
             self.ctx.remove_op_callback(self.recorder.callback)
         if self._graph_runner is not None:
             self._graph_runner.stop()
+            self._watchdog.stop()
         gc.unfreeze()
         interception.set_handler(self.tracing_door if _tensors else None)
 

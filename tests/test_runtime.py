@@ -1,6 +1,7 @@
 """Runtime properties that the differential tests cannot see: resources that must not grow."""
 
 import gc
+import threading
 
 import tensorflow as tf
 from tensorflow.python.ops import gen_data_flow_ops
@@ -77,3 +78,15 @@ def test_values_of_a_fallen_back_iteration_die_with_their_stand_ins():
         assert not escaping, "\n".join(node.format() for node in escaping)
     finally:
         terra.reset()
+
+
+def test_reset_stops_the_threads_of_its_runtime():
+    terra.reset()
+    train(12, tf.keras.optimizers.SGD(0.1), lambda step, loss: None)
+    assert runtime.get().stats.coexecuted >= 1, terra.explain()
+    ours = [t for t in threading.enumerate() if t.name.startswith("terra-")]
+    assert {t.name for t in ours} == {"terra-graph-runner", "terra-watchdog"}
+    terra.reset()
+    for thread in ours:
+        thread.join(timeout=10)
+    assert not [t.name for t in ours if t.is_alive()]
