@@ -41,8 +41,8 @@ class Entry(NamedTuple):
 
 
 REGISTRY = {
-    "mlp": Entry("mlp:MLP", 10, 50),
-    "convnet": Entry("convnet:ConvNet", 10, 40),
+    "mlp": Entry("mlp:MLP", 10, 200),
+    "convnet": Entry("convnet:ConvNet", 10, 100),
     "resnet50": Entry("resnet50:ResNet50", 6, 8, compare_steps=1),
     "bert_qa": Entry("bert_qa:BertQA", 8, 20, random=True),
     "yolov3": Entry("yolov3:YOLOv3", 8, 12),
