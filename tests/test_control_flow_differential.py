@@ -1,8 +1,8 @@
 """Differential tests of training steps whose op path changes from step to step (issue 3).
 
 Each program is an ordinary eager loop whose Python picks different TF ops per step: a branch on
-a counter, on a fetched loss, on ``random``, on an exception; loops driven by generators and
-recursion. Run eagerly and under Terra, every loss, gradient and variable must agree, and after
+a counter, on a fetched loss, on ``random``, on an exception; loops driven by generators,
+recursion, a Python schedule and an RNN's sequence length (its input shape varies too). Run eagerly and under Terra, every loss, gradient and variable must agree, and after
 the paths have been traced Terra must co-execute them: one graph holds every path seen, with a
 ``tf.switch_case`` where they part.
 
@@ -15,6 +15,7 @@ cost one fallback when that path comes back.
 import random
 import re
 
+import numpy as np
 import tensorflow as tf
 from differential import assert_same_as_eager
 from tiny_models import batch, classification_data, sparse_xent, state
@@ -213,3 +214,55 @@ def test_a_path_first_seen_late_falls_back_then_coexecutes():
     outcome = assert_same_as_eager(late_path, 20, max_traces=5, expect_fallbacks=(1, 2),
                                    min_coexecuted=12)
     assert outcome.stats.phase == "coexecution", outcome.report()
+
+
+def shared_layer_repeated(tape_cls, steps):
+    """The shared layer runs 1 to 4 times, as many as a Python schedule says for this step:
+    the same variables are read by a different number of ops each time."""
+    schedule = [1, 3, 2, 4]
+
+    def forward(net, x, step):
+        h = net.inp(x)
+        for _ in range(schedule[step % len(schedule)]):
+            h = net.shared(h) + h
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_a_shared_layer_applied_a_varying_number_of_times():
+    assert_same_as_eager(shared_layer_repeated, 24, max_traces=8, expect_fallbacks=(0, 3),
+                         min_coexecuted=8)
+
+
+def rnn_varying_length(tape_cls, steps):
+    """A recurrent cell unrolled by a Python loop over the time axis. Every batch has its own
+    sequence length (3, 4 or 5): the trip count and the fed input's shape change per step."""
+    tf.keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    cell, head = tf.keras.layers.SimpleRNNCell(16), tf.keras.layers.Dense(4)
+    cell.build((None, 8))
+    head.build((None, 16))
+    variables = cell.trainable_variables + head.trainable_variables
+    optimizer = tf.keras.optimizers.Adam(1e-2)
+    loss_fn = sparse_xent()
+    losses, grads_per_step = [], []
+    for step in range(steps):
+        length = 3 + (step * 5) % 3
+        x = tf.constant(rng.normal(size=(16, length, 8)).astype(np.float32))
+        y = tf.constant(rng.integers(0, 4, 16).astype(np.int32))
+        with tape_cls() as tape:
+            h = tf.zeros((16, 16))
+            for t in range(x.shape[1]):
+                h, _ = cell(x[:, t, :], [h])
+            loss = loss_fn(y, head(h))
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        losses.append(float(loss))
+        grads_per_step.append([g.numpy() for g in grads])
+    return {"losses": losses, "grads": grads_per_step, "vars": [v.numpy() for v in variables]}
+
+
+def test_rnn_unrolled_by_python_with_varying_trip_count_and_input_shape():
+    assert_same_as_eager(rnn_varying_length, 24, max_traces=8, expect_fallbacks=(0, 3),
+                         min_coexecuted=10)
