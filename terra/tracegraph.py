@@ -12,6 +12,7 @@ the PythonRunner can validate them soundly:
   by value;
 - ``capture``: the very same tensor object every time (checked over >= 2 traces) -> captured
   by identity like a variable;
+- a value seen in one trace only is a ``const`` if it is tiny (``ONCE_CONST``), else a ``feed``;
 - ``feed``: anything else -> an Input Feeding queue; its dtype is validated and its shape
   is validated against the shapes seen (a varying dimension is relaxed in the graph).
 """
@@ -26,6 +27,10 @@ from terra import opdefs
 from terra.trace import OpRecord
 
 SMALL_CONST = 64  # elements; larger external tensors are always fed
+# A value seen once cannot be told constant from varying. Guess by size: up to this many
+# elements (scalars, shapes, strides, axes) it is taken for a constant, anything larger (a
+# label batch) is fed. A wrong guess costs a fallback, or a feed of a value that never changes.
+ONCE_CONST = 8
 
 
 def relax(shape, new):
@@ -49,7 +54,7 @@ class Slot:
     """Where one input of a node comes from."""
 
     __slots__ = ("kind", "node", "out", "tensor", "value", "value_bytes", "accepted", "last_id",
-                 "dtype", "shape", "ids", "values_vary")
+                 "dtype", "shape", "ids", "values_vary", "seen")
 
     def __init__(self, kind, node=None, out=0, tensor=None):
         self.kind = kind  # "node" | "var" | "resource" | "const" | "capture" | "feed" | "same"
@@ -62,6 +67,7 @@ class Slot:
         self.dtype = self.shape = None
         self.ids = set()
         self.values_vary = False
+        self.seen = 0  # observations (external slots)
 
     @classmethod
     def external(cls, t):
@@ -72,6 +78,7 @@ class Slot:
 
     def observe(self, t):
         """Fold one more observation of an external input into the classification."""
+        self.seen += 1
         self.shape = relax(self.shape, t._shape_tuple())
         self.ids.add(t._id)
         if not self.values_vary and t._num_elements() <= SMALL_CONST and \
@@ -84,10 +91,11 @@ class Slot:
                 self.values_vary = True  # by bytes, as the PythonRunner validates
         else:
             self.values_vary = True
-        if self.value is not None and not self.values_vary:
+        if self.value is not None and not self.values_vary and \
+                (self.seen > 1 or self.value.size <= ONCE_CONST):
             self.kind, self.tensor = "const", None
-        elif len(self.ids) == 1 and self.kind == "capture":
-            pass
+        elif self.seen > 1 and len(self.ids) == 1:
+            self.kind, self.tensor = "capture", t  # the very same tensor every time
         else:
             self.kind, self.tensor = "feed", None
 
@@ -279,10 +287,7 @@ class TraceGraph:
             elif ref[0] == "same":
                 node.inputs.append(Slot("same", rec_nodes[ref[1]], ref[2]))
             else:
-                slot = Slot.external(ref[1])
-                if slot.kind == "feed":
-                    slot.kind, slot.tensor = "capture", ref[1]  # until seen twice
-                node.inputs.append(slot)
+                node.inputs.append(Slot.external(ref[1]))
         return node
 
     @staticmethod
