@@ -34,11 +34,14 @@ _PLAIN = (int, float, bool, complex, np.ndarray, np.generic, str, bytes)
 
 
 class Mismatch(Exception):
-    """The iteration left the path the graph was built for."""
+    """The iteration left the path the graph was built for. ``category`` is what
+    ``terra.explain()`` groups fallbacks by: new op, attribute change, new producer, value
+    change, shape change, new fetch point, unsupported, user exception, early end."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, category: str = "new op"):
         super().__init__(reason)
         self.reason = reason
+        self.category = category
 
 
 class PathEnded(Mismatch):
@@ -50,8 +53,8 @@ class RanThenMismatch(Mismatch):
     """A Python-run op ran for real and its outputs do not fit the graph: fall back, then
     hand Python this ``result`` (running the op again would repeat its side effects)."""
 
-    def __init__(self, reason: str, result):
-        super().__init__(reason)
+    def __init__(self, reason: str, result, category: str = "shape change"):
+        super().__init__(reason, category)
         self.result = result
 
 
@@ -199,7 +202,7 @@ class PythonRunner:
     def mark(self, what, attrs, tensors, extra):
         step = self._expect(NodeKind.MARK, what, lambda s: s.attrs == attrs)
         if step.attrs != attrs:
-            raise Mismatch(f"tape {what} with different settings")
+            raise Mismatch(f"tape {what} with different settings", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
         self.it.log.append((step, inputs, (), extra))
         self._move(step)
@@ -209,7 +212,7 @@ class PythonRunner:
         step = self._expect(NodeKind.GRAD, "gradient", lambda s: s.attrs == attrs and
                             self._fits(s, None, tensors, None))
         if step.attrs != attrs:
-            raise Mismatch("gradient call with different arguments")
+            raise Mismatch("gradient call with different arguments", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
         flat = []
         for r in step.results:
@@ -304,7 +307,7 @@ class PythonRunner:
         recorded = dict(step.attrs)
         for name, value in given:
             if name in recorded and recorded[name] != value:
-                raise Mismatch(f"attribute {name} of {op_type} changed")
+                raise Mismatch(f"attribute {name} of {op_type} changed", "attribute change")
         if len(given) == len(normalized):  # per-call seeds are never cached
             if cache:
                 step.fp_attrs = raw
@@ -314,7 +317,8 @@ class PythonRunner:
     def _validate(self, step, flat, feed=True):
         slots = step.slots
         if len(flat) != len(slots):
-            raise Mismatch(f"{step.op_type} has {len(flat)} inputs, recorded {len(slots)}")
+            raise Mismatch(f"{step.op_type} has {len(flat)} inputs, recorded {len(slots)}",
+                           "attribute change")
         it = self.it
         tensors = self.tensors
         log = []
@@ -350,15 +354,15 @@ class PythonRunner:
                 elif kind == "const" and a._id == slot.last_id:
                     pass  # the very tensor validated last time (TF caches converted scalars)
                 elif a._datatype_enum() != slot.dtype:
-                    raise _bad(step, i, "changed dtype")
+                    raise _bad(step, i, "changed dtype", "shape change")
                 elif kind == "const":
                     v = a._numpy_internal()  # bytes: -0.0 or another NaN counts as a change
                     if v.shape != slot.value.shape or v.tobytes() != slot.value_bytes:
-                        raise _bad(step, i, "constant value changed")
+                        raise _bad(step, i, "constant value changed", "value change")
                     slot.last_id = a._id
                 elif kind == "feed":
                     if not _shape_ok(a._shape_tuple(), slot.shape):
-                        raise _bad(step, i, "changed shape")
+                        raise _bad(step, i, "changed shape", "shape change")
                     if feed and step.feed[i] is not None:
                         step.feed[i].put(a)
                 else:
@@ -368,14 +372,14 @@ class PythonRunner:
                 scalar = type(a) in _SCALARS
                 if not (scalar and (type(a), a) in slot.accepted):  # 1, 1.0, True differ
                     if not _converts_to(a, slot.value):
-                        raise _bad(step, i, "constant value changed")
+                        raise _bad(step, i, "constant value changed", "value change")
                     if scalar:
                         slot.accepted.add((type(a), a))
                 log.append(a)
             elif kind == "feed":
                 t = constant_op.constant(a, dtype=dtypes.as_dtype(slot.dtype))
                 if not _shape_ok(t._shape_tuple(), slot.shape):
-                    raise _bad(step, i, "changed shape")
+                    raise _bad(step, i, "changed shape", "shape change")
                 if feed and step.feed[i] is not None:
                     step.feed[i].put(t)
                 log.append(t)
@@ -388,7 +392,7 @@ class PythonRunner:
         shape, dtype = spec
         dt = dtypes.as_dtype(dtype)
         if dt in (dtypes.resource, dtypes.variant):
-            raise Mismatch(f"cannot stand in for a {dt.name} tensor")
+            raise Mismatch(f"cannot stand in for a {dt.name} tensor", "unsupported")
         fill = b"" if dt == dtypes.string else 0
         dummy = self._dummies[spec] = constant_op.constant(
             np.full(shape, fill, dtype=dt.as_numpy_dtype))
@@ -427,7 +431,7 @@ class PythonRunner:
                         for a in flat)
             specs = step.node.sigs.get(key)
             if specs is None:
-                raise Mismatch(f"{step.op_type} called with new input shapes {key}")
+                raise Mismatch(f"{step.op_type} called with new input shapes {key}", "shape change")
         outs, entries = self._new_outputs(step, specs)
         if step.dynamic:
             outs = [self._fetch_now(step, k, e) for k, e in enumerate(entries)]
@@ -438,7 +442,7 @@ class PythonRunner:
     def _fetch_now(self, step, k, entry):
         value = self._fetched(entry)
         if value._shape_tuple() != step.out_specs[k][0] and not step.check_shapes:
-            raise Mismatch(f"{step.op_type} produced a new (data-dependent) shape")
+            raise Mismatch(f"{step.op_type} produced a new (data-dependent) shape", "shape change")
         return value
 
     def _fetched(self, e):
@@ -460,7 +464,7 @@ class PythonRunner:
         relaxed = step.node.out_relaxed
         if len(flat_outs) != len(relaxed):
             raise RanThenMismatch(f"{step.op_type} {step.node!r} returned {len(flat_outs)} "
-                                  f"outputs, recorded {len(relaxed)}", result)
+                                  f"outputs, recorded {len(relaxed)}", result, "new op")
         for k, t in enumerate(flat_outs):
             if t._datatype_enum() != step.out_specs[k][1] or \
                     not _shape_ok(t._shape_tuple(), relaxed[k]):
@@ -496,7 +500,7 @@ class PythonRunner:
         channel = step.fetch[e.out]
         if channel is None:
             raise Mismatch(f"new fetch point: value of {step.op_type} {step.node!r} "
-                           f"({_where(step)})")
+                           f"({_where(step)})", "new fetch point")
         e.value = self._wait(lambda: channel.get_nth(e.visit, self.wait_cm), step)
         return e.value
 
@@ -583,8 +587,8 @@ class GraphFailed(Exception):
         self.at_end = False
 
 
-def _bad(step, i, what):
-    return Mismatch(f"input {i} of {step.op_type} {step.node!r} {what}")
+def _bad(step, i, what, category="new producer"):
+    return Mismatch(f"input {i} of {step.op_type} {step.node!r} {what}", category)
 
 
 def _where(step):

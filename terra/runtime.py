@@ -31,7 +31,7 @@ from terra.python_runner import (
     RanThenMismatch,
 )
 from terra.trace import Recorder
-from terra.tracegraph import TraceGraph
+from terra.tracegraph import NodeKind, TraceGraph
 
 _EagerTensor = ops.EagerTensor
 _Variable = resource_variable_ops.BaseResourceVariable
@@ -169,7 +169,7 @@ class Runtime:
 
     def tape_exit(self, tape, failed):
         if self.phase == "coexecution" and failed:
-            self.leave(Mismatch("exception raised by user code"))
+            self.leave(Mismatch("exception raised by user code", "user exception"))
         if failed and self.recorder is not None:
             self.recorder.aborted = True  # an iteration that raised is never merged
         if not (self.phase == "coexecution" and self._coexec(
@@ -228,7 +228,7 @@ class Runtime:
     def _end_iteration(self):
         if self.phase == "coexecution" and self.runner.it is not None:
             if not self.runner.at_end():
-                self.leave(Mismatch("the iteration ended before the recorded one did"))
+                self.leave(Mismatch("the iteration ended before the recorded one did", "early end"))
             else:
                 self._close_iteration()
         if self.phase == "tracing" and self.recorder is not None:
@@ -245,7 +245,7 @@ class Runtime:
         uncovered = self.runner.finish()
         if uncovered:  # the replay gives every one of them its value
             self.leave(Mismatch("a tensor outlived its iteration but the graph does not "
-                                "return it"))
+                                "return it", "new fetch point"))
         else:
             self.stats.coexecuted += 1
             self.runner.it = None
@@ -347,8 +347,11 @@ class Runtime:
         self.graph_runner.cancel(job)
         fallback_lib.restore(job, config.timeout)
         self.stats.fallbacks += 1
-        reason = why.reason if isinstance(why, Mismatch) else f"graph error: {why}"
-        self.events.append(("fallback", reason, user_location()))
+        if isinstance(why, Mismatch):
+            category, reason = why.category, why.reason
+        else:
+            category, reason = "graph error", str(why)
+        self.events.append((f"fallback [{category}]", reason, user_location()))
         runner.it = None
         self.graph = None
         self.phase = "tracing"
@@ -398,7 +401,7 @@ class Runtime:
         """Finish pending graph work so variables hold their final values."""
         if self.phase == "coexecution" and self.runner.it is not None:
             if not self.runner.at_end():
-                self.leave(Mismatch("terra.reset() in the middle of an iteration"))
+                self.leave(Mismatch("terra.reset() in the middle of an iteration", "early end"))
             else:
                 self.graph_runner.submit(self.runner.it.job)
                 self._close_iteration()
@@ -472,8 +475,12 @@ def explain() -> str:
     for what, reason, loc in rt.events:
         where = f" at {loc.file}:{loc.line}" if loc else ""
         lines.append(f"{what}{where}: {reason}")
-    lines.append(f"TraceGraph ({len(rt.tracegraph.nodes) - 2} nodes, "
-                 f"{len(rt.tracegraph.branch_points)} branch points):")
+    branch_points = rt.tracegraph.branch_points
+    lines.append(f"TraceGraph: {len(rt.tracegraph.nodes) - 2} nodes, {len(branch_points)} "
+                 "branch points, no loop nodes (a Python loop is one path per trip count)")
+    for node in branch_points:  # each is a switch-case of the graph, its successors the cases
+        cases = ", ".join("end" if n.kind is NodeKind.END else repr(n) for n in node.succs)
+        lines.append(f"  switch-case after {node!r} {node.op_type}: cases {cases}")
     lines.append(str(rt.tracegraph))
     if rt.graph is not None:
         lines.append(str(rt.graph))

@@ -2,8 +2,9 @@
 
 Each program is an ordinary eager loop whose Python picks different TF ops per step: a branch on
 a counter, on a fetched loss, on ``random``, on an exception; loops driven by generators,
-recursion, a Python schedule and an RNN's sequence length (its input shape varies too). Run eagerly and under Terra, every loss, gradient and variable must agree, and after
-the paths have been traced Terra must co-execute them: one graph holds every path seen, with a
+recursion, a Python schedule and an RNN's sequence length (its input shape varies too). Run
+eagerly and under Terra, every loss, gradient and variable must agree, and after the paths
+have been traced Terra must co-execute them: one graph holds every path seen, with a
 ``tf.switch_case`` where they part.
 
 The trace and fallback bounds reflect the TraceGraph as built: a tree of traces (no merge-back
@@ -13,6 +14,8 @@ most four traces for its programs; only a path that first appears after co-execu
 may cost a fallback.
 """
 
+import inspect
+import os
 import random
 import re
 
@@ -215,6 +218,15 @@ def test_a_path_first_seen_late_falls_back_then_coexecutes():
     outcome = assert_same_as_eager(late_path, 20, max_traces=4, expect_fallbacks=(1, 1),
                                    min_coexecuted=12)
     assert outcome.stats.phase == "coexecution", outcome.report()
+    # explain() names the fallback's reason category and the user's line of the first op of
+    # the new path (the layer call), and shows the branch point as a switch-case
+    lines, first = inspect.getsourcelines(late_path)
+    [offset] = [i for i, line in enumerate(lines) if "h = net.alt(h)" in line]
+    where = f"{os.path.basename(inspect.getsourcefile(late_path))}:{first + offset}"
+    assert re.search(rf"fallback \[new producer\] at \S*{re.escape(where)}: ",
+                     outcome.explain), outcome.report()
+    assert re.search(r"switch-case after %\d+ \w+: cases %\d+, %\d+", outcome.explain), \
+        outcome.report()
 
 
 def shared_layer_repeated(tape_cls, steps):
