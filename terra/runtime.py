@@ -82,8 +82,17 @@ class TracingDoor:
         return interception.ORIGINAL_FAST(ctx, op_type, name, *[self._arg(a) for a in args])
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
-        return interception.ORIGINAL_SLOW(op_type, num_outputs, [self._arg(a) for a in inputs],
-                                          attrs, ctx, name)
+        # The generated op wrapper records the gradient after this returns, with the very
+        # list it passed here: swap in place, or the tape would record the stand-in as the
+        # input and the gradient would stop there (after a fallback: no gradient at all for
+        # the replayed part of the iteration).
+        if not isinstance(inputs, list):
+            inputs = list(inputs)
+        for i, a in enumerate(inputs):
+            real = self._arg(a)
+            if real is not a:
+                inputs[i] = real
+        return interception.ORIGINAL_SLOW(op_type, num_outputs, inputs, attrs, ctx, name)
 
 
 class CoexecDoor:

@@ -68,3 +68,39 @@ def test_path_change_at_one_step_falls_back_then_coexecutes(where):
 def test_extra_op_between_iterations_runs_eagerly_without_fallback():
     outcome = assert_same_as_eager(path_change_program("between_iterations"), STEPS)
     assert outcome.stats.coexecuted >= STEPS - 4, outcome.report()
+
+
+def skipped_resize_program(tape_cls, steps):
+    """Dense layers on image-shaped tensors with a resize between them, skipped at one step:
+    the fallback comes right after the first layer, whose output the second layer reshapes.
+    Keras reaches that Reshape through TF's slow path, where the op wrapper records the
+    gradient itself, with the inputs it was given (a stand-in, unless swapped in place): the
+    replayed first layer then got no gradient at all."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 16, 4 * 4 * 3, 5)
+    first, second, head = (tf.keras.layers.Dense(n) for n in (8, 8, 5))
+    first.build((None, 4, 4, 3))
+    second.build((None, 2, 2, 8))
+    head.build((None, 8))
+    variables = first.trainable_variables + second.trainable_variables + head.trainable_variables
+    optimizer = tf.keras.optimizers.SGD(0.1)
+    loss_fn = sparse_xent()
+    losses, grads_per_step = [], []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            h = first(tf.reshape(x, (16, 4, 4, 3)))
+            if step != CHANGED_STEP:
+                h = tf.image.resize(h, (2, 2), method="bilinear", antialias=False)
+            loss = loss_fn(y, head(tf.reduce_mean(second(h), axis=[1, 2])))
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        losses.append(float(loss))
+        grads_per_step.append([None if g is None else g.numpy() for g in grads])
+    return {"losses": losses, "grads": grads_per_step, "vars": [v.numpy() for v in variables]}
+
+
+def test_fallback_before_a_slow_path_op_keeps_the_replayed_gradients():
+    outcome = assert_same_as_eager(skipped_resize_program, STEPS, expect_fallbacks=(1, 1),
+                                   max_traces=4)
+    assert outcome.stats.coexecuted >= 4, outcome.report()
