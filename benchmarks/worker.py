@@ -39,6 +39,12 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
     m = modes.MODES[mode]
     phase = "build"
     try:
+        import tensorflow as tf
+
+        # Every mode runs with TF's op determinism: without it a program's losses can differ
+        # between two eager runs (fasterrcnn: 2 of 6 eager runs under load, from step 2), and
+        # the loss comparison would call a correct mode WRONG.
+        tf.config.experimental.enable_op_determinism()
         cls = load(program)
         tape = modes.tape_for(m)
         result["rss_imported_mb"] = _peak_rss_mb()  # TensorFlow, Keras, Terra loaded
