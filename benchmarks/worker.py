@@ -32,19 +32,17 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
     still in flight when the loop ends (a graph running behind Python) is counted.
     """
     from benchmarks import modes
-    from benchmarks.programs import load, run
+    from benchmarks.programs import REGISTRY, load, run
 
     result = dict(program=program, mode=mode, config=config, steps=steps, warmup=warmup,
                   seed=seed)
     m = modes.MODES[mode]
     phase = "build"
     try:
-        import tensorflow as tf
+        if REGISTRY[program].op_determinism:  # else two eager runs could disagree
+            import tensorflow as tf
 
-        # Every mode runs with TF's op determinism: without it a program's losses can differ
-        # between two eager runs (fasterrcnn: 2 of 6 eager runs under load, from step 2), and
-        # the loss comparison would call a correct mode WRONG.
-        tf.config.experimental.enable_op_determinism()
+            tf.config.experimental.enable_op_determinism()
         cls = load(program)
         tape = modes.tape_for(m)
         result["rss_imported_mb"] = _peak_rss_mb()  # TensorFlow, Keras, Terra loaded

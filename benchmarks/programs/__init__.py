@@ -38,6 +38,10 @@ class Entry(NamedTuple):
     # Draws TF random numbers inside the step (dropout, noise). Under XLA the stateless random
     # ops yield other numbers than TF's kernels, so XLA modes cannot match eager's losses.
     random: bool = False
+    # Eager's own losses vary between runs (multi-threaded kernels whose reduction order
+    # depends on timing): every mode of this program runs with TF's op determinism, which
+    # costs speed (the MLP's eager step: ~13 -> ~18 ms), so only where it is needed.
+    op_determinism: bool = False
 
 
 REGISTRY = {
@@ -51,7 +55,7 @@ REGISTRY = {
     "bert_cls": Entry("bert_cls:BertCls", 8, 20, random=True),
     "dropblock": Entry("dropblock:DropBlock", 8, 40, random=True),
     "sdpoint": Entry("sdpoint:SDPoint", 12, 20),
-    "fasterrcnn": Entry("fasterrcnn:FasterRCNN", 10, 40),
+    "fasterrcnn": Entry("fasterrcnn:FasterRCNN", 10, 40, op_determinism=True),
     "music_transformer": Entry("music_transformer:MusicTransformer", 8, 24, random=True),
 }
 
