@@ -560,7 +560,6 @@ class PythonRunner:
             it.log = it.fed = it.job.snapshot = None
         return uncovered
 
-
     def sweep(self, it):
         """Forget the entries of ``it`` whose stand-ins Python has dropped (an entry holds
         its real value, which would otherwise live on and look like an escape to the next
