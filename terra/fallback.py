@@ -85,8 +85,10 @@ def _replay(log, recorder, tapes):
                                                   zip(inputs, step.slots)],
                                    _flat_attrs(node.attrs), outs, node.location)
             else:
+                stopped = extra  # recording was paused when Python issued it
                 args = [_tensor(_real(x), s) for x, s in zip(inputs, step.slots)]
-                watch_read(tapes, node.op_type, args[0] if args else None)
+                if not stopped:
+                    watch_read(tapes, node.op_type, args[0] if args else None)
                 attrs = _flat_attrs(node.attrs)
                 try:
                     results = execute.execute_with_callbacks(
@@ -94,7 +96,7 @@ def _replay(log, recorder, tapes):
                 except errors.OpError as e:  # the graph failed here: eager fails the same way
                     recorder.aborted = True
                     raise _at_user_line(e, node.location) from None
-                if execute.must_record_gradient():
+                if not stopped and execute.must_record_gradient():
                     execute.record_gradient(node.op_type, args, attrs, results)
                 for entry, r in zip(outs, results):
                     entry.value = r

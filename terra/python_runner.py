@@ -17,6 +17,7 @@ import time
 import weakref
 
 import numpy as np
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import constant_op, dtypes, ops
 from tensorflow.python.ops import resource_variable_ops
@@ -28,6 +29,7 @@ from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.tracegraph import NodeKind
 
 _EagerTensor = ops.EagerTensor
+_tape_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _OP = NodeKind.OP
 _Variable = resource_variable_ops.BaseResourceVariable
 _PLAIN = (int, float, bool, complex, np.ndarray, np.generic, str, bytes)
@@ -435,7 +437,9 @@ class PythonRunner:
         outs, entries = self._new_outputs(step, specs)
         if step.dynamic:
             outs = [self._fetch_now(step, k, e) for k, e in enumerate(entries)]
-        self.it.log.append((step, inputs, entries, None))
+        # extra: whether gradient recording was paused (tf.stop_gradient): a replay must not
+        # put the op on the tape either
+        self.it.log.append((step, inputs, entries, _tape_stopped()))
         self._move(step)
         return outs
 

@@ -104,3 +104,40 @@ def test_fallback_before_a_slow_path_op_keeps_the_replayed_gradients():
     outcome = assert_same_as_eager(skipped_resize_program, STEPS, expect_fallbacks=(1, 1),
                                    max_traces=4)
     assert outcome.stats.coexecuted >= 4, outcome.report()
+
+
+def stop_gradient_program(tape_cls, steps):
+    """``tf.stop_gradient`` runs its op with the tape paused, so eager's tape never sees it.
+    A fallback's replay must pause the same way: a replayed trace whose backward pass also
+    differentiates into the stopped value is a different gradient region, the TraceGraph
+    branches inside it and Terra can no longer build a graph."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 16, 20, 5)
+    model = mlp(20, (16,), 5)
+    optimizer = tf.keras.optimizers.SGD(0.1)
+    loss_fn = sparse_xent()
+    losses, kept = [], []
+
+    def forward(x, y, step):
+        logits = model(x, training=True)
+        centered = logits - tf.stop_gradient(tf.reduce_mean(logits, axis=0))
+        if step == CHANGED_STEP:  # the same ops, but a value that now outlives its iteration:
+            kept.append(centered)  # the fallback replays the iteration on the recorded path
+        return loss_fn(y, centered)
+
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = forward(x, y, step)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, "kept": [float(tf.reduce_sum(t)) for t in kept],
+            **state(model, optimizer)}
+
+
+def test_replay_pauses_the_tape_where_eager_did():
+    outcome = assert_same_as_eager(stop_gradient_program, STEPS + 4, expect_fallbacks=(1, 1),
+                                   max_traces=4)
+    assert outcome.stats.phase == "coexecution", outcome.report()
+    assert outcome.stats.coexecuted >= 8, outcome.report()
