@@ -74,6 +74,11 @@ class Iteration:
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
         self.fetch_visits = []  # (step, visit) of the steps with fetch channels it passed
 
+    def release(self):
+        """Nothing will be replayed any more: let go of the batches, tapes and snapshot (a
+        stand-in Python keeps holds its entry, and the entry this iteration)."""
+        self.log = self.fed = self.job.snapshot = None
+
 
 class Entry:
     """Hook-table entry of a tensor the PythonRunner handed to Python."""
@@ -560,8 +565,8 @@ class PythonRunner:
                 e.value = got.get((e.step, e.visit, e.out))
                 if e.value is None:
                     uncovered.append(e)
-        if not uncovered:  # nothing left to replay: let go of the batches, tapes, snapshot
-            it.log = it.fed = it.job.snapshot = None
+        if not uncovered:
+            it.release()
         return uncovered
 
     def sweep(self, it):

@@ -367,9 +367,9 @@ class Runtime:
         self._start_recording()
         try:
             fallback_lib.replay(it.log, self.recorder, self.open_tapes)
-        finally:  # surviving stand-ins keep ``it``: let go of what only the replay needed
+        finally:
             runner.sweep(it)
-            it.log = it.fed = job.snapshot = None
+            it.release()
         if isinstance(why, GraphFailed) and why.at_end:
             # Python issued every op and eager ran them all without an error: the numbers
             # are eager's, but the graph should not have failed. Say so in explain().

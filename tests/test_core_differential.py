@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from differential import assert_same_as_eager
-from tiny_models import batch, classification_data, mlp, sparse_xent, state
+from tiny_models import batch, classification_data, mlp, mlp_task, sparse_xent, state
 
 STEPS = 10
 
@@ -180,11 +180,7 @@ def materialize_everything_program(tape_cls, steps, capsys):
     float derived from all of them back into the loss."""
     import keras  # Keras 3 only (convert_to_numpy); this program never runs under tf_keras
 
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model = mlp(20, (16,), 5)
-    optimizer = tf.keras.optimizers.Adam(1e-2)
-    loss_fn = sparse_xent()
+    data, model, optimizer, loss_fn = mlp_task(steps)
     capsys.readouterr()
     keys = ("numpy", "float", "bool", "if", "int", "range", "format")
     seen = {key: [] for key in (*keys, "arrays", "scale", "printed", "losses")}
@@ -295,11 +291,7 @@ def test_python_float_attribute_changed_every_step():
 def deferred_materialization_program(tape_cls, steps):
     """Tensors kept past their iteration (losses, gradient norms, a copy of a weight as it was
     that step) and read only after training."""
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model = mlp(20, (16,), 5)
-    optimizer = tf.keras.optimizers.Adam(1e-2)
-    loss_fn = sparse_xent()
+    data, model, optimizer, loss_fn = mlp_task(steps)
     losses, norms, kernels = [], [], []
     for step in range(steps):
         x, y = batch(data, step, 16)
@@ -363,11 +355,7 @@ def test_tf_data_for_loop(epochs):
 
 def watched_input_program(tape_cls, steps):
     """``tape.watch`` on an input tensor; gradient with nested (dict) sources."""
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model = mlp(20, (16,), 5)
-    optimizer = tf.keras.optimizers.SGD(0.1)
-    loss_fn = sparse_xent()
+    data, model, optimizer, loss_fn = mlp_task(steps, tf.keras.optimizers.SGD(0.1))
     losses, input_grads = [], []
     for step in range(steps):
         x, y = batch(data, step, 16)
@@ -388,11 +376,7 @@ def test_watch_input_tensor_gradient():
 
 def persistent_tape_program(tape_cls, steps):
     """A persistent tape asked for two gradients (loss and a weight penalty), then deleted."""
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model = mlp(20, (16,), 5)
-    optimizer = tf.keras.optimizers.Adam(1e-2)
-    loss_fn = sparse_xent()
+    data, model, optimizer, loss_fn = mlp_task(steps)
     losses, penalty_grads_log = [], []
     for step in range(steps):
         x, y = batch(data, step, 16)
@@ -498,11 +482,7 @@ def varying_batch_program(tape_cls, steps):
     """Batches of 16 and 12 rows in turn (a partial last batch, every other step): the graph
     is built with the batch dimension relaxed, and the PythonRunner checks each op's shapes
     against those seen."""
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model = mlp(20, (16,), 5)
-    optimizer = tf.keras.optimizers.Adam(1e-2)
-    loss_fn = sparse_xent()
+    data, model, optimizer, loss_fn = mlp_task(steps)
     losses, grads_log = [], []
     for step in range(steps):
         x, y = batch(data, step, 16)

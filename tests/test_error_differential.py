@@ -12,7 +12,7 @@ import tensorflow as tf
 from differential import assert_same_as_eager, record_stats
 from tensorflow.errors import InvalidArgumentError
 from tensorflow.python import pywrap_tfe
-from tiny_models import batch, classification_data, mlp, sparse_xent, state
+from tiny_models import batch, mlp_task, state
 
 STEPS, FAILING_STEP = 12, 6  # warm-up 1 + ~2 traces, so FAILING_STEP is co-executed
 
@@ -37,11 +37,7 @@ def user_error_program(where):
     """``raise ValueError`` in user code at one step, caught around that iteration."""
 
     def program(tape_cls, steps):
-        tf.keras.utils.set_random_seed(0)
-        data = classification_data(steps * 16, 20, 5)
-        model = mlp(20, (16,), 5)
-        optimizer = tf.keras.optimizers.Adam(1e-2)
-        loss_fn = sparse_xent()
+        data, model, optimizer, loss_fn = mlp_task(steps)
         losses, caught = [], []
         for step in range(steps):
             record_stats(f"step{step}")
@@ -106,11 +102,7 @@ def graph_error_program(kind, errors):
     and the fused Relu maps NaN to 0). ``errors`` collects (tape class, ExceptionInfo)."""
 
     def program(tape_cls, steps):
-        tf.keras.utils.set_random_seed(0)
-        data = classification_data(steps * 16, 20, 5)
-        model = mlp(20, (16,), 5)
-        optimizer = tf.keras.optimizers.Adam(1e-2)
-        loss_fn = sparse_xent()
+        data, model, optimizer, loss_fn = mlp_task(steps)
         class_weights = tf.constant([1.0, 0.5, 2.0, 1.5, 0.75])
         losses = []
         for step in range(steps):

@@ -12,18 +12,14 @@ eagerly.
 import pytest
 import tensorflow as tf
 from differential import assert_same_as_eager, record_stats
-from tiny_models import batch, classification_data, mlp, sparse_xent, state
+from tiny_models import batch, classification_data, mlp_task, sparse_xent, state
 
 STEPS, CHANGED_STEP = 12, 6  # warm-up 1 + ~2 traces, so CHANGED_STEP is co-executed
 
 
 def path_change_program(where):
     def program(tape_cls, steps):
-        tf.keras.utils.set_random_seed(0)
-        data = classification_data(steps * 16, 20, 5)
-        model = mlp(20, (16,), 5)
-        optimizer = tf.keras.optimizers.Adam(1e-2)
-        loss_fn = sparse_xent()
+        data, model, optimizer, loss_fn = mlp_task(steps)
         losses, extras = [], []
         for step in range(steps):
             record_stats(f"step{step}")
@@ -111,11 +107,7 @@ def stop_gradient_program(tape_cls, steps):
     A fallback's replay must pause the same way: a replayed trace whose backward pass also
     differentiates into the stopped value is a different gradient region, the TraceGraph
     branches inside it and Terra can no longer build a graph."""
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model = mlp(20, (16,), 5)
-    optimizer = tf.keras.optimizers.SGD(0.1)
-    loss_fn = sparse_xent()
+    data, model, optimizer, loss_fn = mlp_task(steps, tf.keras.optimizers.SGD(0.1))
     losses, kept = [], []
 
     def forward(x, y, step):

@@ -5,7 +5,7 @@ import threading
 
 import tensorflow as tf
 from tensorflow.python.ops import gen_data_flow_ops
-from tiny_models import batch, classification_data, mlp, sparse_xent
+from tiny_models import batch, mlp_task
 
 import terra
 from terra import runtime
@@ -14,9 +14,7 @@ from terra import runtime
 def train(steps, optimizer, after_step, detour_at=None):
     """A small MLP trained under Terra; ``after_step(step, loss)`` runs after each update.
     At step ``detour_at`` the loss takes one extra op: a path the graph does not have."""
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model, loss_fn = mlp(20, (16,), 5), sparse_xent()
+    data, model, optimizer, loss_fn = mlp_task(steps, optimizer)
     for step in range(steps):
         x, y = batch(data, step, 16)
         with terra.TerraGradientTape() as tape:

@@ -32,6 +32,15 @@ def sparse_xent():
     return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def mlp_task(steps, optimizer=None):
+    """The usual small task, seeded: data for ``steps`` batches of 16, a 20-16-5 MLP, an
+    optimizer (Adam 1e-2 unless one is given) and the loss. Returns them in that order."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 16, 20, 5)
+    model = mlp(20, (16,), 5)
+    return data, model, optimizer or tf.keras.optimizers.Adam(1e-2), sparse_xent()
+
+
 def state(model, *optimizers):
     """Everything training changes: all model variables (BatchNorm moving statistics included)
     and every optimizer variable (slots, iteration counter)."""
