@@ -70,7 +70,7 @@ def _replay(log, recorder, tapes):
     ctx = context.context()
     for step, inputs, outs, extra in log:
         node = step.node
-        recorder.location_override = node.location
+        recorder.override = (node.location, node.site)
         try:
             if step.kind is NodeKind.MARK:
                 _replay_mark(step, [_real(x) for x in inputs], extra, recorder)
@@ -83,7 +83,7 @@ def _replay(log, recorder, tapes):
             elif step.python:
                 recorder.record_op(node.op_type, [_tensor(_real(x), s) for x, s in
                                                   zip(inputs, step.slots)],
-                                   _flat_attrs(node.attrs), outs, node.location)
+                                   _flat_attrs(node.attrs), outs)
             else:
                 stopped = extra  # recording was paused when Python issued it
                 args = [_tensor(_real(x), s) for x, s in zip(inputs, step.slots)]
@@ -101,7 +101,7 @@ def _replay(log, recorder, tapes):
                 for entry, r in zip(outs, results):
                     entry.value = r
         finally:
-            recorder.location_override = None
+            recorder.override = None
 
 
 def _real(x):
@@ -131,7 +131,7 @@ def _replay_mark(step, tensors, extra, recorder):
         tape.exit_real()
     else:
         tape.real.watch(tensors)
-    recorder.mark(step.op_type, step.attrs, tensors, step.node.location)
+    recorder.mark(step.op_type, step.attrs, tensors)
 
 
 def _replay_grad(step, entries, extra, recorder):
@@ -140,8 +140,7 @@ def _replay_grad(step, entries, extra, recorder):
         return recorder.swap(_real(x))
 
     result = tape.traced_gradient(nest.map_structure(resolve, target), sources,
-                                  nest.map_structure(resolve, output_gradients), unconnected,
-                                  step.node.location)
+                                  nest.map_structure(resolve, output_gradients), unconnected)
     values = [x for g in nest.flatten(result) if g is not None
               for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))
               if x is not None]

@@ -7,25 +7,34 @@ Output Fetching points ``QueueEnqueueV2``; every dequeue waits for the enqueues 
 that precede it in Python's order (Fig. 3.4), so the graph never waits for a value Python can
 only produce after a fetch the graph has not served yet.
 
-A node with several successors is a branch point: the ops after it become a
-``tf.switch_case`` whose index (the Case Select input) the PythonRunner feeds once it knows
-which successor the iteration takes. Until merge-back lands, the TraceGraph is a tree of
-traces, so each branch holds the rest of its iteration and no value has to leave a branch;
-fetched and escaping values go out through channels.
+Control flow follows the case assignment (``terra.case_assignment``, Algorithm 1): the
+TraceGraph, with each gradient region taken as one node, is cut into an ordered list of
+switch-cases. A switch-case with several cases becomes a ``tf.switch_case`` whose index (the
+Case Select input) the PythonRunner feeds once it takes one of the case's control edges; one
+with a single case is emitted inline. Once some path can have ended (an edge into ``end``),
+every later switch-case gets one more, empty, case that a finished path selects.
+
+Values cross switch-cases as the ``tf.switch_case``'s outputs: each branch returns what later
+switch-cases read, a branch that did not compute a value returns a placeholder of its dtype
+and shape (never read: the PythonRunner validates that every input's producer ran). An input
+that joins paths (a ``phi`` slot) reads whichever of its producers ran last; in the graph it is
+a running value that each of those producers overwrites.
 
 Alongside the function it emits the PythonRunner's plan: one :class:`Step` per node with
 everything the hot path needs precomputed (channels, output specs, static values, successors).
 """
 
+import collections
 import itertools
 
 from tensorflow.python.eager import context, def_function
 from tensorflow.python.framework import constant_op, dtypes, ops, tensor_util
-from tensorflow.python.ops import control_flow_switch_case, gen_resource_variable_ops
+from tensorflow.python.ops import array_ops, control_flow_switch_case, gen_resource_variable_ops
 
 from terra import opdefs
+from terra.case_assignment import assign_cases
 from terra.queues import Channel
-from terra.tracegraph import NodeKind, TraceNode
+from terra.tracegraph import NodeKind, TraceNode, relax
 
 _READ_ONLY_VAR_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
                                 "VariableShape"})
@@ -38,16 +47,23 @@ class Step:
 
     __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
                  "check_shapes", "fetch", "has_fetch", "static", "dynamic", "python", "out_feed",
-                 "body", "results", "pack", "slow_attrs", "next", "select",
-                 "visits")
+                 "body", "results", "pack", "slow_attrs", "next", "puts", "visits", "seq",
+                 "owner", "cone_phis")
 
     def __init__(self, node: TraceNode | None):
         self.node = node
         self.next = []  # successor steps, None for the end of the iteration
-        self.select = None  # Case Select channel when there is more than one successor
+        # per successor: the Case Select values taking that edge feeds, ((channel, index),
+        # ...); None when no edge out of this step feeds any
+        self.puts = None
         self.has_fetch = False
         self.visits = 0  # iterations that passed this step: the position in its channels
+        self.seq = -1  # when the PythonRunner last passed it (its running count of steps)
+        self.owner = self  # whose ``seq`` counts for it: a gradient op's is its region's head
         self.body = []  # GRAD: the steps of its region, which Python skips
+        # GRAD: the joined inputs of its cone, ((slot, input index of the call or None,
+        # producer), ...): the producer each must have taken this iteration
+        self.cone_phis = ()
         if node is None:  # the start of the iteration
             self.kind = NodeKind.START
             return
@@ -76,9 +92,10 @@ class Step:
 class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
-    def __init__(self, start, steps, function, written):
+    def __init__(self, start, steps, switch_cases, function, written):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
+        self.switch_cases = switch_cases  # [(SwitchCase, Case Select channel or None)]
         self.function = function
         self.written = written  # [(handle, dtype)] variables the graph writes
         inference = function._inference_function
@@ -92,7 +109,7 @@ class SymbolicGraph:
         steps = self.steps.values()
         feeds = sum(c is not None for s in steps for c in s.feed + s.out_feed)
         fetches = sum(c is not None for s in steps for c in s.fetch)
-        selects = sum(s.select is not None for s in [self.start, *steps])
+        selects = sum(c is not None for _, c in self.switch_cases)
         return (f"SymbolicGraph({len(self.steps)} steps, {feeds} feeds, {fetches} fetches, "
                 f"{selects} switch-cases, {len(self.written)} written variables)")
 
@@ -123,11 +140,9 @@ def _plan(tracegraph):
     gradient head continues after its region (Python skips the backward ops)."""
     steps = {n: Step(n) for n in tracegraph.nodes if n.kind not in (NodeKind.START, NodeKind.END)}
     start = Step(None)
-
-    def successors(node):
-        return [None if s.kind is NodeKind.END else steps[s] for s in node.succs]
-
     for node, step in [(tracegraph.start, start), *steps.items()]:
+        if node.in_body:
+            continue
         last = node
         if step.kind is NodeKind.GRAD:
             for _ in range(node.body_len):
@@ -135,11 +150,52 @@ def _plan(tracegraph):
                     raise NotImplementedError(f"{node.format()}: the gradient region branches")
                 last = last.succs[0]
                 step.body.append(steps[last])
-        step.next = successors(last)
-        if len(step.next) > 1:
-            with ops.init_scope():
-                step.select = Channel(_INT32, ())  # the index into ``next``
+                steps[last].owner = step
+        step.next = [None if s.kind is NodeKind.END else steps[s] for s in last.succs]
+        if step.kind is NodeKind.GRAD:
+            step.cone_phis = tuple(
+                (slot, k if n is None else None, (p, out))
+                for (n, k), (_, p, out) in node.cone.items()
+                if len((slot := (node if n is None else n).inputs[k]).alts) > 1)
     return start, steps
+
+
+def _exit(node):
+    """The node whose edges leave ``node``'s unit: the last op of a gradient region."""
+    for _ in range(node.body_len if node.kind is NodeKind.GRAD else 0):
+        node = node.succs[0]
+    return node
+
+
+def _switch_cases(tracegraph, start, steps):
+    """Algorithm 1 over the units of the TraceGraph, a Case Select channel for every
+    switch-case the graph must branch at, and each step's ``puts``: what taking an edge
+    feeds. Returns ``[(SwitchCase, channel or None, skip index or None)]``."""
+    switch_cases = assign_cases(tracegraph.start, tracegraph.end, lambda n: _exit(n).succs)
+    puts = {}  # (unit head, successor) -> [(channel, index)]
+    planned = []
+    ended = []  # exits seen so far: a path may have ended before the switch-cases after them
+    for sc in switch_cases:
+        channel = skip = None
+        if sc.is_switch or ended:
+            with ops.init_scope():
+                channel = Channel(_INT32, ())
+            for index, case in enumerate(sc.cases):
+                for u, v in case.control_edges:
+                    puts.setdefault((u, v), []).append((channel, index))
+            if ended:
+                skip = len(sc.cases)
+                for u, v in ended:
+                    puts.setdefault((u, v), []).append((channel, skip))
+        ended += [(u, v) for u, v in sc.exits]
+        planned.append((sc, channel, skip))
+    for node, step in [(tracegraph.start, start), *steps.items()]:
+        if node.in_body:
+            continue
+        edges = [puts.get((node, s), ()) for s in _exit(node).succs]
+        if any(edges):
+            step.puts = [tuple(e) for e in edges]
+    return planned
 
 
 def _unseen_by_python(steps):
@@ -154,11 +210,66 @@ def _unseen_by_python(steps):
     return unseen
 
 
+def _alts_of(step):
+    """Every producer (node, out) that a graph input of ``step`` may read."""
+    return [(slot, p) for slot in step.slots if slot.kind == "node" for p in slot.alts]
+
+
+def _value_key(slot):
+    """The key under which emission keeps the graph value a ``node``/``same`` slot reads."""
+    if len(slot.alts) > 1:
+        return ("phi", id(slot))
+    node, out = slot.alts[0]
+    return ("v" if slot.kind == "node" else "s", node, out)
+
+
+def _spec(key, slots):
+    """(dtype enum, shape) of an emission key's value, for a branch's placeholder."""
+    if key[0] == "v":
+        return key[1].out_specs[key[2]][1], key[1].out_relaxed[key[2]]
+    if key[0] == "s":
+        slot = key[1].inputs[key[2]]
+        return slot.dtype, slot.shape
+    specs = [_spec(("v" if slots[key[1]].kind == "node" else "s", *p), slots)
+             for p in slots[key[1]].alts]
+    shape = specs[0][1]
+    for _, other in specs[1:]:
+        shape = relax(shape, other)
+    return specs[0][0], shape
+
+
+def _exports(planned, steps):
+    """Per switch-case: the emission keys its branches must return (read by a later one)."""
+    sc_of = {}
+    for j, (sc, _, _) in enumerate(planned):
+        for case in sc.cases:
+            for head in case.block:
+                sc_of[head] = j
+                for body_step in steps[head].body:
+                    sc_of[body_step.node] = j
+    exports = [dict() for _ in planned]  # ordered sets
+    for node, step in steps.items():
+        if step.kind is NodeKind.START:
+            continue
+        for slot in step.slots:
+            if slot.kind not in ("node", "same"):
+                continue
+            key = _value_key(slot)
+            for p, _ in slot.alts:
+                if sc_of[p] != sc_of[node]:
+                    exports[sc_of[p]][key] = None
+    return [list(e) for e in exports]
+
+
 def generate(tracegraph) -> SymbolicGraph:
     """Build the symbolic graph for every path of the TraceGraph."""
     start, steps = _plan(tracegraph)
+    planned = _switch_cases(tracegraph, start, steps)
+    exports = _exports(planned, steps)
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
+    phi_of = {}  # (node, out) or ("s", node, input) -> the phi slots it updates
+    slots = {}  # id -> slot, for phi keys
     unseen = _unseen_by_python(steps)
     for step in steps.values():
         if step.node in unseen and any(slot.kind == "feed" for slot in step.slots):
@@ -166,12 +277,16 @@ def generate(tracegraph) -> SymbolicGraph:
                 f"{step.node.format()}: a backward op reads a value that changes every step; "
                 "the gradient code that computes it is skipped in co-execution")
         for slot in step.slots:
-            if slot.kind != "node":
-                continue
-            if step.python and slot.node.in_graph:
-                consumers_needing_value.add((slot.node, slot.out))
-            elif not step.python and step.kind == NodeKind.OP and not slot.node.in_graph:
-                graph_consumed.add((slot.node, slot.out))
+            if slot.kind in ("node", "same") and len(slot.alts) > 1:
+                slots[id(slot)] = slot
+                for p, k in slot.alts:
+                    key = (p, k) if slot.kind == "node" else ("s", p, k)
+                    phi_of.setdefault(key, []).append(id(slot))
+        for _, (p, k) in _alts_of(step):
+            if step.python and p.in_graph:
+                consumers_needing_value.add((p, k))
+            elif not step.python and step.kind == NodeKind.OP and not p.in_graph:
+                graph_consumed.add((p, k))
 
     with ops.init_scope():
         for step in steps.values():
@@ -188,8 +303,6 @@ def generate(tracegraph) -> SymbolicGraph:
     def body():
         top = ops.get_default_graph()
         outer = {}  # id -> the top graph's capture of an eager tensor (handles, variables)
-        env = {}  # (node, out) -> graph tensor
-        slot_env = {}  # (node, input index) -> graph tensor of an external input
 
         def captured(t):
             c = outer.get(t._id)
@@ -221,32 +334,35 @@ def generate(tracegraph) -> SymbolicGraph:
             step.fetch[k] = channel
             step.has_fetch = True
 
-        def emit(step, last_fetch):
+        def define(env, key, t):
+            env[key] = t
+            for sid in phi_of.get(key[1:] if key[0] == "v" else key, ()):
+                env[("phi", sid)] = t
+
+        def emit(step, env, last_fetch):
             node = step.node
             if step.python:
                 for k, channel in enumerate(step.out_feed):
                     if channel is not None:
-                        env[(node, k)] = dequeue(channel, last_fetch)
+                        define(env, ("v", node, k), dequeue(channel, last_fetch))
                 return
             inputs = []
             for i, slot in enumerate(step.slots):
-                if slot.kind == "node":
-                    inputs.append(env[(slot.node, slot.out)])
+                if slot.kind in ("node", "same"):
+                    inputs.append(env[_value_key(slot)])
                     continue
-                if slot.kind == "same":
-                    t = slot_env[(slot.node, slot.out)]
-                elif slot.kind in ("var", "capture"):
+                if slot.kind in ("var", "capture"):
                     t = captured(slot.tensor)
                 elif slot.kind == "const":
                     t = constant_op.constant(slot.value, dtype=slot.dtype)
                 else:
                     t = dequeue(step.feed[i], last_fetch)
-                slot_env[(node, i)] = t
+                define(env, ("s", node, i), t)
                 inputs.append(t)
             op = ops.get_default_graph()._create_op_internal(node.op_type, inputs,
                                                              attrs=_attr_protos(node))
             for k, t in enumerate(op.outputs):
-                env[(node, k)] = t
+                define(env, ("v", node, k), t)
                 shape, dtype = step.out_specs[k]
                 if t.dtype.as_datatype_enum != dtype:
                     raise AssertionError(f"{node.format()}: graph dtype {t.dtype} differs")
@@ -267,39 +383,61 @@ def generate(tracegraph) -> SymbolicGraph:
                     else:
                         enqueue(step, k, t, last_fetch)
 
-        def emit_from(step, last_fetch):
-            """Emit ``step`` and what follows it; a branch point becomes a switch-case
-            whose branches each emit the rest of their iteration."""
-            while True:
+        def emit_block(block, env, last_fetch):
+            for head in block:
+                step = steps[head]
                 if step.kind is NodeKind.OP:
-                    emit(step, last_fetch)
+                    emit(step, env, last_fetch)
                 for body_step in step.body:  # GRAD: the backward ops Python skips
-                    emit(body_step, last_fetch)
-                nxt = step.next
-                if step.select is not None:
-                    index = dequeue(step.select, last_fetch)
-                    branches = [_branch(emit_from, s) for s in nxt]
-                    with ops.control_dependencies(last_fetch):
-                        control_flow_switch_case.switch_case(index, branches)
-                    return
-                if nxt[0] is None:
-                    return
-                step = nxt[0]
+                    emit(body_step, env, last_fetch)
 
-        emit_from(start, [])
+        def branch(block, keys, env, fetched):
+            """One case: its block, returning ``keys`` (placeholders where it has none)."""
+
+            def fn():
+                local = collections.ChainMap({}, env)
+                last_fetch = []
+                emit_block(block, local, last_fetch)
+                fetched.append(bool(last_fetch))
+                return [local[k] if k in local else _placeholder(*_spec(k, slots)) for k in keys]
+
+            return fn
+
+        env = {}  # emission key -> graph tensor (see _value_key)
+        last_fetch = []  # the fetches every later dequeue waits for (Fig. 3.4)
+        for (sc, channel, skip), keys in zip(planned, exports):
+            if channel is None:
+                emit_block(sc.cases[0].block, env, last_fetch)
+                continue
+            index = dequeue(channel, last_fetch)
+            fetched = []
+            branches = [branch(case.block, keys, env, fetched) for case in sc.cases]
+            if skip is not None:
+                branches.append(branch((), keys, env, fetched))
+            graph = ops.get_default_graph()
+            n_ops = len(graph.get_operations())
+            with ops.control_dependencies(last_fetch):
+                outs = control_flow_switch_case.switch_case(index, branches)
+            for key, t in zip(keys, outs or ()):
+                if key[0] == "v":  # only its producer's branch gives a value that is read
+                    t.set_shape(key[1].out_relaxed[key[2]])
+                env[key] = t
+            if any(fetched):
+                last_fetch[:] = [op for op in graph.get_operations()[n_ops:]
+                                 if op.type in ("Case", "StatelessCase")]
 
     body.__name__ = f"terra_step_{next(_names)}"
     function = def_function.function(body, autograph=False)
     function = function.get_concrete_function()
-    return SymbolicGraph(start, steps, function, list(written.values()))
+    return SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
+                         list(written.values()))
 
 
-def _branch(emit_from, step):
-    """One switch-case branch. It starts after the fetches before the switch (the switch op
-    waits for them), so its own ordering starts empty."""
-
-    def branch():
-        if step is not None:
-            emit_from(step, [])
-
-    return branch
+def _placeholder(dtype, shape):
+    """A value a branch returns for what it does not compute (never read)."""
+    dt = dtypes.as_dtype(dtype)
+    if dt in (dtypes.resource, dtypes.variant):
+        raise NotImplementedError(f"a {dt.name} value leaves a branch of a switch-case")
+    if shape is None:
+        return array_ops.zeros((), dt)
+    return array_ops.zeros([0 if d is None else d for d in shape], dt)

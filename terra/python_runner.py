@@ -65,10 +65,12 @@ class IterationAborted(RuntimeError):
 
 
 class Iteration:
-    __slots__ = ("job", "log", "entries", "fed", "fetch_visits")
+    __slots__ = ("job", "log", "entries", "fed", "fetch_visits", "seq0", "took")
 
     def __init__(self, job):
         self.job = job
+        self.seq0 = 0  # the runner's step count when the iteration began
+        self.took = {}  # phi slot -> the producer it read this iteration
         self.log = []  # (step, inputs, outputs, extra) per matched step, for replay
         self.entries = []
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
@@ -130,7 +132,8 @@ def _shape_ok(shape, want):
 
 
 class PythonRunner:
-    def __init__(self, graph, tensors, original_numpy, watchdog, timeout, fallback, start):
+    def __init__(self, graph, tensors, original_numpy, watchdog, timeout, fallback, start,
+                 sites):
         self.graph = graph
         self.step_of = graph.steps
         self.tensors = tensors
@@ -142,9 +145,11 @@ class PythonRunner:
         self.ctx = context.context()
         self.device = self.ctx.device_name or "/job:localhost/replica:0/task:0/device:CPU:0"
         self._dummies = {}
-        fanout = max(len(s.next) for s in [graph.start, *graph.steps.values()])
+        self.sites = sites
+        fanout = max([len(sc.cases) + 1 for sc, _ in graph.switch_cases], default=0)
         self._case_index = [constant_op.constant(i, dtype=dtypes.int32) for i in range(fanout)]
         self.cur = graph.start  # the last matched step
+        self.seq = 0  # steps matched so far: Step.seq says which producer of a phi ran last
         self.it = None
         self.wait_cm = cancellation.CancellationManager()
         self.stall_time = 0.0
@@ -152,6 +157,7 @@ class PythonRunner:
     # -- iteration ----------------------------------------------------------------------
     def begin(self, it: Iteration):
         self.it = it
+        it.seq0 = self.seq
         self.cur = self.graph.start
 
     def at_end(self) -> bool:
@@ -162,8 +168,8 @@ class PythonRunner:
         """The iteration ends here: tell the graph (if the path could also go on) and wait
         for it to finish, so a graph-side error belongs to this iteration."""
         cur = self.cur
-        if cur.select is not None:
-            cur.select.put(self._case_index[cur.next.index(None)])
+        if len(cur.next) > 1:
+            self._take(cur, cur.next.index(None))
             self.cur = _ENDED
         self._path_end()
 
@@ -217,10 +223,14 @@ class PythonRunner:
     def gradient(self, attrs, tensors, extra):
         """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""
         step = self._expect(NodeKind.GRAD, "gradient", lambda s: s.attrs == attrs and
-                            self._fits(s, None, tensors, None))
+                            self._fits(s, None, tensors, None) and
+                            self._same_cone(s, self._validate(s, list(tensors), feed=False)))
         if step.attrs != attrs:
             raise Mismatch("gradient call with different arguments", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
+        if not self._same_cone(step, inputs):
+            raise Mismatch("the forward pass this gradient differentiates took a path its "
+                           "recorded gradients were not computed for", "new producer")
         flat = []
         for r in step.results:
             if r is None:
@@ -254,10 +264,22 @@ class PythonRunner:
         """``step`` is matched. At the last step of a path wait for the graph to finish the
         iteration, so a graph-side error is raised inside the iteration that caused it."""
         self.cur = step
+        step.seq = self.seq
+        self.seq += 1
         if step.has_fetch:
             self._visit(step)
         if step.next[0] is None and len(step.next) == 1:
+            self._take(step, 0)
             self._path_end()
+
+    def _take(self, step, i):
+        """Python goes from ``step`` to its successor ``i``: feed the Case Selects of the
+        switch-cases that edge selects in."""
+        puts = step.puts
+        if puts is not None:
+            index = self._case_index
+            for channel, k in puts[i]:
+                channel.put(index[k])
 
     def _visit(self, step):
         """This iteration passed ``step``: its channels hold one more value, found by visit."""
@@ -276,26 +298,38 @@ class PythonRunner:
         """The step the next event must match. At a branch point, the successor it fits
         (``fits(step)`` tells candidates of the same type apart); the choice is sent to the
         graph as the Case Select of the switch-case that follows."""
-        nxt = self.cur.next
+        cur = self.cur
+        nxt = cur.next
         if len(nxt) == 1:
             step = nxt[0]
             if step is None:
                 raise PathEnded(f"{op_type} after the end of the recorded iteration")
             if step.op_type != op_type or step.kind is not kind:
                 raise Mismatch(f"expected {step.op_type}, got {op_type}")
+            if cur.puts is not None:
+                self._take(cur, 0)
             return step
         found = [(i, s) for i, s in enumerate(nxt)
                  if s is not None and s.kind is kind and s.op_type == op_type]
         if len(found) > 1:
             found = [(i, s) for i, s in found if fits(s)] or found[:1]
+        if len(found) > 1:
+            found = self._by_site(found)
         if not found:
             if None in nxt:
                 raise PathEnded(f"{op_type} after the end of a recorded iteration")
             raise Mismatch(f"new branch: {op_type} where the recorded iterations had "
                            + ", ".join(sorted({s.op_type for s in nxt if s is not None})))
         i, step = found[0]
-        self.cur.select.put(self._case_index[i])
+        self._take(cur, i)
         return step
+
+    def _by_site(self, found):
+        """Successors that fit alike (one helper called from two lines): the one recorded
+        at the executed location of the op being issued, if any."""
+        sid = self.sites.stack()
+        n = sum(1 for entry in self.it.log if entry[0].node.site[0] == sid)
+        return [f for f in found if f[1].node.site == (sid, n)] or found[:1]
 
     def _fits(self, step, attrs, flat, fast):
         """Whether an op with these attrs (None: not checked) and inputs matches ``step``;
@@ -335,9 +369,18 @@ class PythonRunner:
             if type(a) is _EagerTensor:
                 e = tensors.get(a._id)
                 if kind == "node":
-                    if e is None or e.step.node is not slot.node or e.out != slot.out \
-                            or e.iteration is not it:
+                    if e is None or e.iteration is not it:
                         raise _bad(step, i, "has a new producer")
+                    alts = slot.alts
+                    if len(alts) == 1:
+                        if e.step.node is not alts[0][0] or e.out != alts[0][1]:
+                            raise _bad(step, i, "has a new producer")
+                    else:
+                        if (e.step.node, e.out) not in alts or \
+                                not self._ran_last(e.step, alts):
+                            raise _bad(step, i, "has a new producer")
+                        if feed:
+                            it.took[slot] = (e.step.node, e.out)
                     log.append(e)
                     continue
                 if e is not None:
@@ -345,8 +388,11 @@ class PythonRunner:
                         raise _bad(step, i, "has a new producer")
                     a = self.value_of(e)
                 if kind == "same":
-                    if it.fed.get((slot.node, slot.out)) != a._id:
+                    last = self._last_of(slot.alts)
+                    if it.fed.get(last) != a._id:
                         raise _bad(step, i, "is a different tensor")
+                    if feed and len(slot.alts) > 1:
+                        it.took[slot] = last
                     log.append(a)
                     continue
                 if kind == "var":
@@ -393,6 +439,38 @@ class PythonRunner:
             else:
                 raise _bad(step, i, f"is a Python value, recorded a {kind}")
         return log
+
+    def _ran_last(self, producer, alts):
+        """Whether ``producer`` ran after every other of ``alts`` that ran this iteration
+        (a gradient's ops count as run when the gradient call was)."""
+        mine = producer.owner.seq
+        floor = self.it.seq0
+        step_of = self.step_of
+        for n, _ in alts:
+            other = step_of[n]
+            if other is not producer and floor <= other.owner.seq >= mine:
+                return False
+        return True
+
+    def _same_cone(self, step, inputs):
+        """Whether the joined inputs of a gradient call's cone took the producers its
+        region was recorded with (``inputs``: the call's validated inputs)."""
+        took = self.it.took
+        for slot, k, want in step.cone_phis:
+            if k is None:
+                got = took.get(slot)
+            elif slot.kind == "node":
+                got = (inputs[k].step.node, inputs[k].out)
+            else:
+                got = self._last_of(slot.alts)
+            if got != want:
+                return False
+        return True
+
+    def _last_of(self, alts):
+        """The alternative whose node ran last this iteration."""
+        step_of = self.step_of
+        return max(alts, key=lambda p: step_of[p[0]].owner.seq)
 
     # -- outputs ------------------------------------------------------------------------
     def _dummy(self, spec):

@@ -20,7 +20,7 @@ from terra import interception, materialize, opdefs
 from terra.config import config
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
-from terra.location import user_location
+from terra.location import Sites, user_location
 from terra.python_runner import (
     GraphFailed,
     Iteration,
@@ -130,6 +130,7 @@ class Runtime:
             raise NotImplementedError("Terra: the xla switch (TERRA_XLA) is not built yet")
         self.stats = Stats()
         self.tracegraph = TraceGraph()
+        self.sites = Sites()
         self.open_tapes = []
         self.recorder = None
         self.runner = None
@@ -211,14 +212,14 @@ class Runtime:
             return tape.real.gradient(*map(self._swap_all, (target, sources, output_gradients)),
                                       unconnected_gradients=unconnected)
         return tape.traced_gradient(self._swap_all(target), sources,
-                                    self._swap_all(output_gradients), unconnected,
-                                    user_location(), attrs)
+                                    self._swap_all(output_gradients), unconnected, attrs)
 
     def _swap_all(self, structure):
         return nest.map_structure(
             lambda x: self.tracing_door._arg(x) if type(x) is _EagerTensor else x, structure)
 
     def _begin_iteration(self):
+        self.sites.begin_iteration()
         s = self.stats
         s.iterations += 1
         if self.phase == "warmup" and s.iterations > config.warmup:
@@ -272,7 +273,7 @@ class Runtime:
             interception.set_handler(self.tracing_door)
 
     def _start_recording(self):
-        self.recorder = Recorder(_tensors, _original_numpy)
+        self.recorder = Recorder(_tensors, _original_numpy, self.sites)
         self.recorder.aborted = False
         self.ctx.add_op_callback(self.recorder.callback)
         interception.set_handler(self.tracing_door)
@@ -308,7 +309,8 @@ class Runtime:
         if self.runner is not None:  # stall time of earlier graphs
             self.stats.python_stall += self.runner.stall_time
         self.runner = PythonRunner(self.graph, _tensors, _original_numpy, self._watchdog,
-                                   config.timeout, self.leave, self.graph_runner.submit)
+                                   config.timeout, self.leave, self.graph_runner.submit,
+                                   self.sites)
         self.phase = "coexecution"
         if config.freeze_gc:  # what generation left behind is collected now, not mid-run
             gc.unfreeze()

@@ -54,8 +54,7 @@ class TerraGradientTape:
         if self.real is not None and self.real._recording:
             self.real.__exit__(None, None, None)
 
-    def traced_gradient(self, target, sources, output_gradients, unconnected, location,
-                        attrs=None):
+    def traced_gradient(self, target, sources, output_gradients, unconnected, attrs=None):
         """Run the real backward pass as one recorded gradient region."""
         rt = runtime.get()
         recorder = rt.recorder
@@ -64,7 +63,7 @@ class TerraGradientTape:
             attrs = (self.mark_attrs, len(nest.flatten(target)), len(flat_sources),
                      output_gradients is None, str(unconnected))
         tensors = runtime.grad_tensors(target, sources, output_gradients)
-        index = recorder.begin_grad(attrs, tensors, location)
+        index = recorder.begin_grad(attrs, tensors)
         result = self.real.gradient(target, sources, output_gradients, unconnected)
         recorder.end_grad(index, nest.flatten(result))
         return result

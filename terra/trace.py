@@ -23,7 +23,7 @@ import weakref
 from tensorflow.python.framework import dtypes
 
 from terra import opdefs
-from terra.location import user_location
+from terra.location import Sites, user_location
 
 _RESOURCE = dtypes.resource.as_datatype_enum
 
@@ -31,16 +31,18 @@ _RESOURCE = dtypes.resource.as_datatype_enum
 class OpRecord:
     """One recorded step of an iteration: an op, a mark, or the head of a gradient region."""
 
-    __slots__ = ("kind", "op_type", "attrs", "inputs", "out_specs", "location", "in_graph",
-                 "body_len", "results", "fetched", "escaped")
+    __slots__ = ("kind", "op_type", "attrs", "inputs", "out_specs", "location", "site",
+                 "in_graph", "body_len", "results", "fetched", "escaped")
 
-    def __init__(self, kind, op_type, attrs, inputs, out_specs, location, in_graph=False):
+    def __init__(self, kind, op_type, attrs, inputs, out_specs, location, in_graph=False,
+                 site=None):
         self.kind = kind  # "op" | "mark" | "grad"
         self.op_type = op_type
         self.attrs = attrs
         self.inputs = inputs
         self.out_specs = out_specs  # ((shape tuple, dtype enum), ...)
-        self.location = location
+        self.location = location  # the user's line (terra.location.Location)
+        self.site = site  # the executed location matched on (terra.location.Site)
         self.in_graph = in_graph
         self.body_len = 0
         self.results = None  # grad: per source leaf None | ("t", ref) | ("is", v, i, s)
@@ -71,7 +73,7 @@ class TracedValue:
 class Recorder:
     """Builds the trace of one iteration from op callbacks and tape events."""
 
-    def __init__(self, tensors: dict, original_numpy):
+    def __init__(self, tensors: dict, original_numpy, sites: Sites):
         self.records: list[OpRecord] = []
         self.producer: dict[int, tuple] = {}  # EagerTensor._id -> ("op", index, out)
         self.ext_first: dict[int, tuple] = {}  # external tensor -> its first graph-op slot
@@ -80,7 +82,9 @@ class Recorder:
         self.creates_state = False
         self.aborted = False  # the iteration raised: its trace is not merged
         self.skippable = True  # False when a gradient region cannot be skipped
-        self.location_override = None  # replay records the location of the original op
+        self.sites = sites
+        self.override = None  # replay: (location, site) of the original op
+        self.region_site = None  # inside a gradient region: the site of its head
 
     # -- refs ---------------------------------------------------------------------------
     def ref(self, t):
@@ -97,7 +101,18 @@ class Recorder:
             self.tensors[t._id] = TracedValue(record, k, t, self.original_numpy)
 
     # -- op callback --------------------------------------------------------------------
-    def record_op(self, op_type, inputs, attrs, outputs, location=None):
+    def _where(self):
+        """(location, site) of the op, mark or gradient call being recorded now."""
+        if self.override is not None:
+            self.sites.note(self.override[1])
+            return self.override
+        if self.region_site is not None:
+            # TF orders a backward pass by a hash of op ids: only the region as a whole
+            # has a location (the region is matched as a whole, whatever its order)
+            return user_location(), self.region_site
+        return user_location(), self.sites.here()
+
+    def record_op(self, op_type, inputs, attrs, outputs):
         op_type = opdefs.op_name(op_type)
         if op_type in opdefs.CREATION_OPS:
             self.creates_state = True
@@ -113,9 +128,9 @@ class Recorder:
                 elif in_graph:
                     self.ext_first[t._id] = (index, k)
             refs.append(r)
+        location, site = self._where()
         rec = OpRecord("op", op_type, opdefs.normalize_attrs(op_type, attrs), refs,
-                       tuple(spec_of(t) for t in outputs),
-                       location or self.location_override or user_location(), in_graph)
+                       tuple(spec_of(t) for t in outputs), location, in_graph, site)
         self.records.append(rec)
         self._outputs(index, rec, outputs)
         return rec
@@ -131,21 +146,26 @@ class Recorder:
         return x if value is None else value
 
     # -- tape events --------------------------------------------------------------------
-    def mark(self, what, attrs=(), tensors=(), location=None):
-        rec = OpRecord("mark", what, attrs, [self.ref(t) for t in tensors], (),
-                       location or user_location())
+    def mark(self, what, attrs=(), tensors=()):
+        location, site = self._where()
+        rec = OpRecord("mark", what, attrs, [self.ref(t) for t in tensors], (), location,
+                       site=site)
         self.records.append(rec)
         return rec
 
-    def begin_grad(self, attrs, tensors, location):
-        rec = OpRecord("grad", "gradient", attrs, [self.ref(t) for t in tensors], (), location)
+    def begin_grad(self, attrs, tensors):
+        location, site = self._where()
+        rec = OpRecord("grad", "gradient", attrs, [self.ref(t) for t in tensors], (), location,
+                       site=site)
         self.records.append(rec)
+        self.region_site = site
         return len(self.records) - 1
 
     def end_grad(self, index, flat_results):
         """Close the region opened by :meth:`begin_grad`; returns False if not skippable."""
         rec = self.records[index]
         rec.body_len = len(self.records) - index - 1
+        self.region_site = None
         results = []
         skippable = True
         for g in flat_results:

@@ -53,14 +53,18 @@ class NodeKind(enum.Enum):
 class Slot:
     """Where one input of a node comes from."""
 
-    __slots__ = ("kind", "node", "out", "tensor", "value", "value_bytes", "accepted", "last_id",
+    __slots__ = ("kind", "alts", "tensor", "value", "value_bytes", "accepted", "last_id",
                  "dtype", "shape", "ids", "values_vary", "seen")
 
     def __init__(self, kind, node=None, out=0, tensor=None):
         self.kind = kind  # "node" | "var" | "resource" | "const" | "capture" | "feed" | "same"
         # "resource": any resource handle, for ops run in Python (the iterator of an epoch)
         # "same": the value of input ``out`` of ``node`` (an external value read again)
-        self.node, self.out, self.tensor = node, out, tensor
+        # node / same: the producers this input may come from, ``(node, out)`` each. More
+        # than one where paths join (the paper's Figure 3.2: x2 comes from either branch):
+        # the input is then the one of them that ran last, in eager as in the graph.
+        self.alts = [(node, out)] if node is not None else []
+        self.tensor = tensor
         self.value = self.value_bytes = None
         self.accepted = set()  # Python scalars known to convert to ``value`` (const slots)
         self.last_id = None  # the tensor last validated as ``value`` (const slots)
@@ -68,6 +72,14 @@ class Slot:
         self.ids = set()
         self.values_vary = False
         self.seen = 0  # observations (external slots)
+
+    @property
+    def node(self):
+        return self.alts[0][0]
+
+    @property
+    def out(self):
+        return self.alts[0][1]
 
     @classmethod
     def external(cls, t):
@@ -99,30 +111,75 @@ class Slot:
         else:
             self.kind, self.tensor = "feed", None
 
-    def matches(self, ref, nodes):
+    def matches(self, ref, trace, join=False):
+        """Whether the input ``ref`` of a record of ``trace`` (a :class:`_Matched`) fits.
+        With ``join`` a new producer fits too if it ran after the others (merging back)."""
         kind = ref[0]
-        if kind == "op":
-            return self.kind == "node" and self.node is nodes[ref[1]] and self.out == ref[2]
+        if kind == "op" or kind == "same":
+            if self.kind != ("node" if kind == "op" else "same"):
+                return False
+            p = (trace.nodes[ref[1]], ref[2])
+            if p not in self.alts:
+                return join and trace.ran_last(p[0], self.alts, ref[1])
+            return len(self.alts) == 1 or trace.ran_last(p[0], self.alts, ref[1])
         if kind == "var":
             return self.kind == "resource" or \
                 self.kind == "var" and self.tensor._id == ref[1]._id
-        if kind == "same":
-            return self.kind == "same" and self.node is nodes[ref[1]] and self.out == ref[2]
         return self.kind in ("const", "capture", "feed") and \
             self.dtype == ref[1]._datatype_enum()
 
+    def join(self, ref, trace):
+        """Add the producer of ``ref`` to the alternatives (it ``matches`` with ``join``)."""
+        if ref[0] in ("op", "same"):
+            p = (trace.nodes[ref[1]], ref[2])
+            if p not in self.alts:
+                self.alts.append(p)
+
     def __str__(self):
-        if self.kind == "node":
-            return f"%{self.node.id}" + (f".{self.out}" if self.out else "")
+        if self.kind in ("node", "same"):
+            alts = "|".join(f"%{n.id}" + (f".in{k}" if self.kind == "same" else
+                                          f".{k}" if k else "") for n, k in self.alts)
+            return alts if len(self.alts) == 1 else f"phi({alts})"
         if self.kind in ("var", "resource"):
             return self.kind
-        if self.kind == "same":
-            return f"%{self.node.id}.in{self.out}"
         if self.kind == "const":
             return f"const({np.array2string(self.value, threshold=4)})"
         shape = "?" if self.shape is None else "x".join("?" if d is None else str(d)
                                                          for d in self.shape)
         return f"{self.kind}[{dtypes.as_dtype(self.dtype).name} {shape}]"
+
+
+class _Matched:
+    """The part of a trace merged so far: the node of each record, and when each node ran.
+    A gradient region runs as one step (its ops in TF's order, which varies), so every
+    record of a region counts at its head's index, as the PythonRunner counts it."""
+
+    __slots__ = ("nodes", "heads", "last")
+
+    def __init__(self):
+        self.nodes: list[TraceNode] = []  # record index -> node
+        self.heads: list[int] = []  # record index -> index of its unit's head
+        self.last: dict[TraceNode, int] = {}  # node -> head index of its latest run
+
+    def add(self, node, head):
+        self.nodes.append(node)
+        self.heads.append(head)
+        self.last[node] = head
+
+    def ran_last(self, node, alts, index):
+        """Whether ``node`` (record ``index``) ran after every other producer in ``alts``
+        that ran in this trace: the input of a phi is the producer that ran last."""
+        mine = self.heads[index]
+        return all(self.last.get(n, -1) < mine for n, _ in alts if n is not node)
+
+    def extended(self, nodes, head):
+        """A copy with ``nodes`` appended as one unit (matching a region tentatively)."""
+        other = _Matched()
+        other.nodes, other.heads, other.last = list(self.nodes), list(self.heads), \
+            dict(self.last)
+        for node in nodes:
+            other.add(node, head)
+        return other
 
 
 class TraceNode:
@@ -136,6 +193,8 @@ class TraceNode:
         self.op_type = rec.op_type if rec else kind.value
         self.attrs = rec.attrs if rec else ()
         self.location = rec.location if rec else None
+        self.site = rec.site if rec else None
+        self.in_body = False  # an op of a gradient region (only its head is ever a target)
         self.in_graph = rec.in_graph if rec else False
         self.inputs: list[Slot] = []
         self.out_specs = rec.out_specs if rec else ()
@@ -143,13 +202,16 @@ class TraceNode:
         self.out_relaxed = None  # per output: the shape over every observation (relax())
         self.body_len = rec.body_len if rec else 0
         self.results = None  # GRAD: per source leaf None | ("t", (node, out)) | ("is", ...)
+        # GRAD: where every input in the cone of its target came from when it was recorded
+        # (see _cone); a region is only valid where the forward pass was the same
+        self.cone = None
         self.fetched: set[int] = set()
         self.escaped: set[int] = set()
         self.seen = 0  # traces that went through this node
 
     @property
     def key(self):
-        return (self.kind, self.op_type, opdefs.key_attrs(self.attrs))
+        return _key(self)
 
     def __repr__(self):
         return f"%{self.id}"
@@ -195,6 +257,13 @@ def _in_shapes(rec, records):
     return tuple(shapes)
 
 
+def _key(n):
+    """What a node and a record must share to match (paper §3.2.2): type, attributes and
+    executed location."""
+    return (n.kind if isinstance(n.kind, NodeKind) else NodeKind(n.kind), n.op_type,
+            opdefs.key_attrs(n.attrs), n.site)
+
+
 class TraceGraph:
     """A DAG of TraceNodes between a start and an end node.
 
@@ -202,6 +271,9 @@ class TraceGraph:
     one line per node in topological order, e.g.::
 
         %3 = MatMul[transpose_a=False, ...](feed[float32 64x784], %2)  # train.py:12
+        %9 = Relu(phi(%5|%8))  # train.py:14
+
+    ``phi(...)``: the input comes from whichever of those nodes ran last (paths joined).
     """
 
     def __init__(self):
@@ -209,6 +281,7 @@ class TraceGraph:
         self.start = TraceNode(next(self._ids), NodeKind.START)
         self.end = TraceNode(next(self._ids), NodeKind.END)
         self.nodes = [self.start, self.end]
+        self._by_key: dict[tuple, list[TraceNode]] = {}  # merge-back candidates
 
     def _new_node(self, kind, rec):
         node = TraceNode(next(self._ids), kind, rec)
@@ -217,15 +290,15 @@ class TraceGraph:
 
     @staticmethod
     def _link(a, b):
-        a.succs.append(b)
-        b.preds.append(a)
+        if b not in a.succs:
+            a.succs.append(b)
+            b.preds.append(a)
 
-    def _matches(self, node, rec, rec_nodes):
-        if node.key != (NodeKind(rec.kind), rec.op_type, opdefs.key_attrs(rec.attrs)):
+    @staticmethod
+    def _fits(node, rec, trace, join=False):
+        if node.key != _key(rec) or len(node.inputs) != len(rec.inputs):
             return False
-        if len(node.inputs) != len(rec.inputs):
-            return False
-        return all(s.matches(r, rec_nodes) for s, r in zip(node.inputs, rec.inputs))
+        return all(s.matches(r, trace, join) for s, r in zip(node.inputs, rec.inputs))
 
     def merge(self, records: list[OpRecord]):
         """Merge one trace. Returns ``(covered, path)``: whether nothing had to be added and
@@ -233,37 +306,40 @@ class TraceGraph:
         told constant from varying), and the nodes the trace went through, start and end
         excluded.
 
-        TF's backward pass visits ready ops in an order that can differ between iterations, so
-        a gradient region whose head matches is first matched as a whole, order aside
-        (:meth:`_match_body`); the path then follows the existing nodes' order."""
+        Each record is matched among the successors of the latest matched node; on a miss
+        the trace merges back into a node elsewhere that fits (same key, inputs that fit or
+        can join, not an ancestor: the graph stays acyclic) or branches with a new node.
+
+        A gradient region (a ``grad`` head and the ``body_len`` backward ops after it) is
+        one unit: TF's backward pass visits ready ops in an order that can differ between
+        iterations, so a region matches as a whole, order aside (:meth:`_match_body`), and
+        the path follows the existing nodes' order. Nothing merges into a region's body."""
         covered = True
         cur = self.start
-        rec_nodes: list[TraceNode] = []  # record index -> node
+        trace = _Matched()
         path: list[TraceNode] = []
         i = 0
         while i < len(records):
-            rec = records[i]
-            node = next((n for n in cur.succs if self._matches(n, rec, rec_nodes)), None)
-            if node is None:
+            unit = None
+            for node in cur.succs:
+                unit = self._match_unit(node, records, i, trace)
+                if unit is not None:
+                    break
+            if unit is None:
                 covered = False
-                node = self._add(rec, rec_nodes)
-                self._link(cur, node)
-            else:
-                self._observe(node, rec)
-            self._absorb(node, rec, records)
-            rec_nodes.append(node)
-            path.append(node)
-            cur = node
-            i += 1
-            if rec.kind == "grad" and node.succs:
-                body = self._match_body(node, records, i, rec_nodes)
-                if body is not None:
-                    for j in range(i, i + len(body)):
-                        self._observe(rec_nodes[j], records[j])
-                        self._absorb(rec_nodes[j], records[j], records)
-                    path.extend(body)
-                    cur = body[-1] if body else node
-                    i += len(body)
+                unit = self._merge_back(cur, records, i, trace)
+            if unit is None:
+                unit = self._add_unit(records, i, trace)
+            in_graph_order, in_record_order = unit
+            self._link(cur, in_graph_order[0])
+            for j, node in enumerate(in_record_order, i):
+                self._observe(node, records[j])
+                self._absorb(node, records[j], records)
+                trace.add(node, i)
+            path.extend(in_graph_order)
+            cur = in_graph_order[-1]
+            i += len(in_record_order)
+        rec_nodes = trace.nodes
         for rec, node in zip(records, rec_nodes):
             if rec.kind == "grad":
                 node.results = [_resolve_result(r, rec_nodes) for r in rec.results]
@@ -273,6 +349,60 @@ class TraceGraph:
         for node in path:
             node.seen += 1
         return covered and all(node.seen > 1 for node in path), path
+
+    def _match_unit(self, node, records, i, trace, join=False):
+        """Whether records ``i...`` match starting at ``node``: None, or the matched nodes in
+        the graph's order and in the records' order (they differ inside gradient regions)."""
+        rec = records[i]
+        if node.in_body or not self._fits(node, rec, trace, join):
+            return None
+        if rec.kind != "grad":
+            return [node], [node]
+        if node.cone != _cone(records, i, trace.nodes):
+            return None
+        body = self._match_body(node, records, i, trace)
+        return None if body is None else ([node] + body[0], [node] + body[1])
+
+    def _merge_back(self, cur, records, i, trace):
+        """A node that is not a successor of ``cur`` but fits records ``i...`` (joining
+        inputs where the new producer ran last), and from which ``cur`` is not reachable."""
+        for node in self._by_key.get(_key(records[i]), ()):
+            unit = self._match_unit(node, records, i, trace, join=True)
+            if unit is not None and not self._reaches(node, cur):
+                for slot, ref in zip(node.inputs, records[i].inputs):
+                    slot.join(ref, trace)
+                return unit
+        return None
+
+    @staticmethod
+    def _reaches(a, b):
+        seen, stack = {a}, [a]
+        while stack:
+            n = stack.pop()
+            if n is b:
+                return True
+            for s in n.succs:
+                if s not in seen:
+                    seen.add(s)
+                    stack.append(s)
+        return False
+
+    def _add_unit(self, records, i, trace):
+        """New nodes for records ``i...`` (a gradient region: its head and body, chained)."""
+        rec = records[i]
+        mapped = list(trace.nodes)
+        unit = []
+        for j in range(i, i + 1 + (rec.body_len if rec.kind == "grad" else 0)):
+            node = self._add(records[j], mapped)
+            node.in_body = j > i
+            if unit:
+                self._link(unit[-1], node)
+            unit.append(node)
+            mapped.append(node)
+        if rec.kind == "grad":
+            unit[0].cone = _cone(records, i, trace.nodes)
+        self._by_key.setdefault(unit[0].key, []).append(unit[0])
+        return unit, unit
 
     def _add(self, rec, rec_nodes):
         node = self._new_node(NodeKind(rec.kind), rec)
@@ -312,30 +442,29 @@ class TraceGraph:
         if rec.kind == "grad":
             node.body_len = rec.body_len
 
-    def _match_body(self, head, records, first, rec_nodes):
-        """Match the gradient region after ``head`` (records ``first`` on) against the
-        existing body that follows ``head``, in any order consistent with the data flow.
-        On success extend ``rec_nodes`` and return the existing body nodes in their order;
-        otherwise return None (the caller then matches op by op and may branch)."""
-        n = records[first - 1].body_len
+    def _match_body(self, head, records, i, trace):
+        """Match the gradient region of the head record ``i`` against the existing body
+        that follows ``head``, in any order consistent with the data flow. Returns the
+        body nodes in the graph's order and in the records' order, or None."""
+        n = records[i].body_len
+        first = i + 1
+        if n != head.body_len or first + n > len(records):
+            return None
         body, cur = [], head
         for _ in range(n):
             if len(cur.succs) != 1:
                 return None
             cur = cur.succs[0]
             body.append(cur)
-        if n != head.body_len or first + n > len(records):
-            return None
         free = list(body)
-        mapped = list(rec_nodes)
+        mapped = trace.extended([head], i)
         for rec in records[first:first + n]:
-            node = next((c for c in free if self._matches(c, rec, mapped)), None)
+            node = next((c for c in free if self._fits(c, rec, mapped)), None)
             if node is None:
                 return None
             free.remove(node)
-            mapped.append(node)
-        rec_nodes[:] = mapped
-        return body
+            mapped.add(node, i)
+        return body, mapped.nodes[first:]
 
     def topological(self):
         indeg = {n: len(n.preds) for n in self.nodes}
@@ -360,7 +489,7 @@ class TraceGraph:
             for s in n.succs:
                 assert n in s.preds, f"{n!r}->{s!r} missing its reverse edge"
             for slot in n.inputs:
-                assert slot.kind != "node" or slot.node in self.nodes, f"{n!r} dangling input"
+                assert all(p in self.nodes for p, _ in slot.alts), f"{n!r} dangling input"
 
     @property
     def branch_points(self):
@@ -373,6 +502,30 @@ class TraceGraph:
                 continue
             lines.append(n.format())
         return "\n".join(lines)
+
+
+def _cone(records, i, nodes):
+    """The forward pass a gradient region differentiates: for the gradient call (record
+    ``i``) and every op its target was computed from, where each input came from, as
+    ``{(node or None for the call, input index): (ref kind, producer node, out)}``.
+
+    The PythonRunner skips a region's ops, so it cannot see that they read what this
+    iteration computed. Two iterations whose forward passes join before the gradient call
+    (an if/else) reach one call node with the same inputs, but need different regions: a
+    region matches only where its cone is the same, and the PythonRunner checks the cone's
+    joined (phi) inputs took the recorded producer."""
+    cone = {}
+    seen = set()
+    stack = [(None, records[i])]
+    while stack:
+        node, rec = stack.pop()
+        for k, ref in enumerate(rec.inputs):
+            if ref[0] in ("op", "same"):
+                cone[(node, k)] = (ref[0], nodes[ref[1]], ref[2])
+                if ref[0] == "op" and ref[1] not in seen:
+                    seen.add(ref[1])
+                    stack.append((nodes[ref[1]], records[ref[1]]))
+    return cone
 
 
 def _resolve_result(r, rec_nodes):
