@@ -425,6 +425,19 @@ class Runtime:
         interception.set_handler(self.tracing_door if _tensors else None)
 
 
+def _format_switch_case(sc, channel):
+    def block(b):
+        if not b:
+            return "X"
+        size = sum(1 + (n.body_len if n.kind is NodeKind.GRAD else 0) for n in b)
+        return f"{{{b[0]!r}}}" if size == 1 else f"{{{b[0]!r}..{b[-1]!r} ({size} nodes)}}"
+
+    cases = " | ".join(f"{block(c.block)} via " + ", ".join(f"{u!r}->{v!r}" for u, v in
+                                                            c.control_edges) for c in sc.cases)
+    kind = "tf.switch_case" if channel is not None else "inline"
+    return f"[{kind}] {cases}" + (f"; may end via {len(sc.exits)} edge(s)" if sc.exits else "")
+
+
 def grad_tensors(target, sources, output_gradients):
     """The tensors a gradient call depends on, as validated inputs: targets, sources (a
     variable as its handle) and output gradients."""
@@ -486,12 +499,15 @@ def explain() -> str:
     for what, reason, loc in rt.events:
         where = f" at {loc.file}:{loc.line}" if loc else ""
         lines.append(f"{what}{where}: {reason}")
-    branch_points = rt.tracegraph.branch_points
-    lines.append(f"TraceGraph: {len(rt.tracegraph.nodes) - 2} nodes, {len(branch_points)} "
-                 "branch points, no loop nodes (a Python loop is one path per trip count)")
-    for node in branch_points:  # each is a switch-case of the graph, its successors the cases
-        cases = ", ".join("end" if n.kind is NodeKind.END else repr(n) for n in node.succs)
-        lines.append(f"  switch-case after {node!r} {node.op_type}: cases {cases}")
+    g = rt.tracegraph
+    joins = [n for n in g.nodes if len(n.preds) > 1 and n is not g.end]
+    lines.append(f"TraceGraph: {len(g.nodes) - 2} nodes, {len(g.branch_points)} branch points, "
+                 f"{len(joins)} merge-back points, no loop nodes (a Python loop is unrolled: "
+                 "one node per trip, an exit after each trip count seen)")
+    if rt.graph is not None:
+        lines.append("switch-cases (Algorithm 1; {first..last node} via control edges):")
+        lines.extend(f"  {i}: {_format_switch_case(sc, channel)}"
+                     for i, (sc, channel) in enumerate(rt.graph.switch_cases, 1))
     lines.append(str(rt.tracegraph))
     if rt.graph is not None:
         lines.append(str(rt.graph))

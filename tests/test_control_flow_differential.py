@@ -7,11 +7,11 @@ eagerly and under Terra, every loss, gradient and variable must agree, and after
 have been traced Terra must co-execute them: one graph holds every path seen, with a
 ``tf.switch_case`` where they part.
 
-The trace and fallback bounds reflect the TraceGraph as built: a tree of traces (no merge-back
-yet), so everything after a branch point, the optimizer step included, exists once per path,
-and a trace covers only once each node of its path has been seen twice. The paper needed at
-most four traces for its programs; only a path that first appears after co-execution began
-may cost a fallback.
+Paths merge back where their ops meet again (same op, attributes and executed location), so
+the optimizer step after an if/else exists once, reading phi inputs; a Python loop is still
+unrolled (one node per trip). A trace covers only once each node of its path has been seen
+twice. The paper needed at most four traces for its programs; only a path that first appears
+after co-execution began may cost a fallback.
 """
 
 import inspect
@@ -87,6 +87,9 @@ def test_if_else_on_a_python_counter():
     outcome = assert_same_as_eager(counter_branch, STEPS, max_traces=4, expect_fallbacks=(0, 0),
                                    min_coexecuted=8)
     assert re.search(r"\b[1-9]\d* switch-cases", outcome.explain), outcome.report()
+    # the two paths merge back after the if/else: the output layer reads either branch's h
+    assert re.search(r"MatMul\[[^]]*\]\(phi\(%\d+\|%\d+\), %\d+\)", outcome.explain), \
+        outcome.report()
 
 
 def loss_branch(tape_cls, steps):
@@ -225,8 +228,8 @@ def test_a_path_first_seen_late_falls_back_then_coexecutes():
     where = f"{os.path.basename(inspect.getsourcefile(late_path))}:{first + offset}"
     assert re.search(rf"fallback \[new producer\] at \S*{re.escape(where)}: ",
                      outcome.explain), outcome.report()
-    assert re.search(r"switch-case after %\d+ \w+: cases %\d+, %\d+", outcome.explain), \
-        outcome.report()
+    assert re.search(r"\d+: \[tf.switch_case\] \{%\d+[^}]*\} via %\d+->%\d+ \| \{",
+                     outcome.explain), outcome.report()
 
 
 def shared_layer_repeated(tape_cls, steps):

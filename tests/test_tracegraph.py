@@ -105,3 +105,104 @@ def test_graph_ops_never_merge_reads_of_different_variables():
     for _ in range(2):
         covered, _ = g.merge([op("ReadVariableOp", ("var", tf.Variable(1.0).handle))])
     assert not covered and len(g.branch_points) == 1, str(g)
+
+
+# -- merging back (paper §3.2.2, Figure 3.2) ----------------------------------------------
+
+
+def at(line, occurrence=0):
+    """An executed location: the line stands for the call stack, as terra.location interns
+    it; ``occurrence`` counts the ops issued from it earlier in the iteration (loop trips)."""
+    return Location("fig32.py", line, "f"), (line, occurrence)
+
+
+def op_at(where, op_type, *inputs):
+    rec = op(op_type, *inputs)
+    rec.location, rec.site = where
+    return rec
+
+
+def figure_3_2_trace(true_path, trips):
+    """Figure 3.2(a): ``if rval > 0.5: x1 = Op1(x, rval); x2 = Op2(x1)`` (lines 5-6) ``else:
+    x2 = Op2(x)`` (line 9); ``x3 = Op3(x2)`` (line 10); ``for ...: x3 = Op4(x3)`` (line 13)."""
+    x, rval = ext(np.ones((4, 3))), ext(np.full((4, 3), 0.7 if true_path else 0.2))
+    if true_path:
+        recs = [op_at(at(5), "Op1", x, rval), op_at(at(6), "Op2", ("op", 0, 0))]
+    else:
+        recs = [op_at(at(9), "Op2", x)]
+    recs.append(op_at(at(10), "Op3", ("op", len(recs) - 1, 0)))
+    for trip in range(trips):
+        recs.append(op_at(at(13, trip), "Op4", ("op", len(recs) - 1, 0)))
+    return recs
+
+
+def test_figure_3_2_the_false_path_branches_then_merges_back_at_op3():
+    g = TraceGraph()
+    g.merge(figure_3_2_trace(True, 2))
+    covered, path = g.merge(figure_3_2_trace(False, 2))
+    assert not covered
+    g.lint()
+    op2 = [n for n in g.nodes if n.op_type == "Op2"]
+    op3 = [n for n in g.nodes if n.op_type == "Op3"]
+    assert len(op2) == 2, "the two Op2 ran at different locations: two nodes\n" + str(g)
+    assert len(op3) == 1 and set(op3[0].preds) == set(op2), str(g)
+    assert [p for p, _ in op3[0].inputs[0].alts] == op2, "x2 comes from either Op2"
+    assert "Op3(phi(" in str(g), str(g)
+    assert [n.op_type for n in path] == ["Op2", "Op3", "Op4", "Op4"]
+    assert len(g.nodes) == 2 + 6, str(g)  # start, end, Op1, Op2 x2, Op3, Op4 x2
+
+
+def test_a_shorter_loop_leaves_early_and_a_longer_one_extends_it():
+    g = TraceGraph()
+    g.merge(figure_3_2_trace(True, 2))
+    g.merge(figure_3_2_trace(False, 1))
+    g.merge(figure_3_2_trace(True, 3))
+    g.lint()
+    op4 = [n for n in g.nodes if n.op_type == "Op4"]
+    assert len(op4) == 3, str(g)  # one node per trip: no loop nodes yet
+    assert g.end in op4[0].succs and g.end in op4[1].succs, str(g)
+    covered, _ = g.merge(figure_3_2_trace(False, 3))
+    assert covered, "every node of that path has been seen twice\n" + str(g)
+
+
+def test_merging_back_never_makes_a_cycle():
+    a, b = at(1), at(2)
+    g = TraceGraph()
+    g.merge([op_at(a, "Neg", ext(np.ones((4, 3)))), op_at(b, "Exp", ext(np.ones((4, 3))))])
+    g.merge([op_at(b, "Exp", ext(np.ones((4, 3)))), op_at(a, "Neg", ext(np.ones((4, 3))))])
+    g.lint()  # raises on a cycle
+    assert len([n for n in g.nodes if n.op_type == "Neg"]) == 2, str(g)
+
+
+def test_a_join_takes_only_a_producer_that_ran_last():
+    """``x2`` read from Op1 although Op2 ran after it in that trace: merged into the phi, the
+    graph would hand it Op2's value. The node must not join; a new one reads Op1."""
+    x = ext(np.ones((4, 3)))
+    g = TraceGraph()
+    g.merge([op_at(at(1), "Op1", x), op_at(at(2), "Op3", ("op", 0, 0))])
+    g.merge([op_at(at(5), "Op2", x), op_at(at(2), "Op3", ("op", 0, 0))])
+    later = [op_at(at(1), "Op1", x), op_at(at(5), "Op2", x), op_at(at(2), "Op3", ("op", 0, 0))]
+    g.merge(later)
+    g.lint()
+    op3 = [n for n in g.nodes if n.op_type == "Op3"]
+    assert len(op3) == 2, str(g)
+
+
+def test_a_gradient_region_is_reused_only_for_the_forward_pass_it_differentiates():
+    """An if/else joins before the loss: both traces reach the same gradient call with the
+    same inputs and the same backward ops, but the backward pass differentiates different
+    forward ops. Taking one region for the other would be a silently wrong gradient."""
+    def trace(branch_line):
+        x = ext(np.ones((4, 3)))
+        recs = [op_at(at(branch_line), "Tanh", x), op_at(at(10), "Square", ("op", 0, 0))]
+        head = grad_head(1, ("op", 1, 0))
+        head.site = at(11)[1]
+        body = op_at(at(11), "Neg", ("op", 1, 0))
+        return recs + [head, body]
+
+    g = TraceGraph()
+    g.merge(trace(5))
+    g.merge(trace(7))
+    g.lint()
+    assert len([n for n in g.nodes if n.op_type == "Square"]) == 1, str(g)
+    assert len([n for n in g.nodes if n.op_type == "gradient"]) == 2, str(g)
