@@ -101,6 +101,7 @@ class Sites:
 
     def __init__(self):
         self._stacks: dict[tuple, int] = {}
+        self._codes = set()
         self._anchor = frozenset()
         self._counts: dict[int, int] = {}
 
@@ -125,8 +126,11 @@ class Sites:
             f = f.f_back
         anchor = self._anchor
         parts = []
+        append = parts.append
         while f is not None:
-            parts.append((f.f_code, f.f_lasti))
+            code = f.f_code
+            append(id(code))  # a code object's own hash digests its bytecode: slow
+            append(f.f_lasti)
             if id(f) in anchor:
                 break
             f = f.f_back
@@ -134,6 +138,11 @@ class Sites:
         sid = self._stacks.get(key)
         if sid is None:
             sid = self._stacks[key] = len(self._stacks)
+            g = frame or sys._getframe(1)
+            while g is not f:  # keep the code objects alive, so their ids stay theirs
+                self._codes.add(g.f_code)
+                g = g.f_back
+            self._codes.add(code)
         return sid
 
     def here(self) -> Site:
