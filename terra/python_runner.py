@@ -651,16 +651,28 @@ class PythonRunner:
         """Forget the entries of ``it`` whose stand-ins Python has dropped (an entry holds
         its real value, which would otherwise live on and look like an escape to the next
         trace). Return the others; each is forgotten when Python drops its stand-in."""
-        kept = []
         tensors = self.tensors
-        for e, t in it.entries:
-            if sys.getrefcount(t) <= _BASE_REFS + (e.value is t):
-                tensors.pop(t._id, None)
-            else:
-                weakref.finalize(t, tensors.pop, t._id, None)
-                kept.append(e)
-        it.entries = []
-        return kept
+        held, it.entries = it.entries, []
+        while True:
+            # A dropped stand-in can hold others (Keras 3 sets ``_keras_mask`` on tensors):
+            # once it is gone they may be dropped too, so sweep until nothing more goes.
+            pending, held = held, [pair for pair in held if _held(pair, tensors)]
+            if len(held) == len(pending):
+                break
+            del pending
+        for _, t in held:
+            weakref.finalize(t, tensors.pop, t._id, None)
+        return [e for e, _ in held]
+
+
+def _held(pair, tensors):
+    """Whether Python still holds the stand-in of an (entry, stand-in) pair; if not, forget
+    its entry."""
+    e, t = pair
+    if sys.getrefcount(t) <= _BASE_REFS + (e.value is t):
+        tensors.pop(t._id, None)
+        return False
+    return True
 
 
 class GraphFailed(Exception):
@@ -768,6 +780,6 @@ def _indexed_slices(values, indices, dense_shape):
 _ENDED = Step(None)
 _ENDED.next = [None]
 
-# A tensor referenced only by the iteration's entry list: the tuple, the loop variable and
+# A tensor referenced only by the iteration's entry list: the pair, ``_held``'s local and
 # getrefcount's argument.
 _BASE_REFS = 3

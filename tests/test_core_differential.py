@@ -314,6 +314,31 @@ def test_tensors_materialized_after_training():
     assert_same_as_eager(deferred_materialization_program, STEPS)
 
 
+def tensor_held_by_a_dropped_tensor_program(tape_cls, steps):
+    """Keras 3 attaches a mask to a layer's output tensor (``_keras_mask``): a tensor held only
+    by another tensor that dies with the iteration. Neither outlives it; co-execution must not
+    take the mask for an escape (it did: a fallback at every iteration of the BERT programs)."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+
+    def forward(x):
+        hidden = model(x, training=True)
+        hidden.mask_like = tf.greater(hidden, 0.0)
+        return hidden * 2.0  # ``hidden`` dies here, and with it the only hold on its mask
+
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, forward(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    return state(model, optimizer)
+
+
+def test_a_tensor_held_only_by_a_dropped_tensor_is_no_escape():
+    assert_same_as_eager(tensor_held_by_a_dropped_tensor_program, STEPS, expect_fallbacks=0,
+                         min_coexecuted=STEPS - 4)
+
+
 # ------------------------------------------------------------------------------------ input
 
 
