@@ -38,6 +38,10 @@ class Config:
         variables during the first step, so that step is never traced.
       max_trace_ops: a trace longer than this is abandoned and the iteration runs eagerly
         (ops after the training loop belong to the last iteration; this bounds their cost).
+      max_fallbacks_in_a_row: after this many fallbacks without a co-executed iteration in
+        between, stop generating graphs and run eagerly (``explain()`` says why): a program
+        that takes a new path every step (a loop growing by one trip per step) would
+        otherwise trace, generate and fall back forever, slower than eager.
     """
 
     disable: bool = False
@@ -48,6 +52,7 @@ class Config:
     timeout: float = 120.0
     warmup: int = 1
     max_trace_ops: int = 200_000
+    max_fallbacks_in_a_row: int = 4
 
     @classmethod
     def from_env(cls) -> "Config":

@@ -137,6 +137,7 @@ class Runtime:
         self.graph = None
         self.unsupported = None
         self.events = []  # fallbacks and other notes for explain()
+        self.fallbacks_in_a_row = 0  # since the last co-executed iteration
         self.ctx = context.context()
         self._graph_runner = None
         self._watchdog = None
@@ -258,6 +259,7 @@ class Runtime:
                                 "return it", "new fetch point"))
         else:
             self.stats.coexecuted += 1
+            self.fallbacks_in_a_row = 0
             self.runner.it = None
 
     def path_ended(self, why):
@@ -294,7 +296,10 @@ class Runtime:
         self.stats.traces += 1
         if config.check:
             self.tracegraph.lint()
-        if covered:
+        if covered and self.fallbacks_in_a_row >= config.max_fallbacks_in_a_row:
+            self._give_up(f"{self.fallbacks_in_a_row} fallbacks in a row: every graph was "
+                          "left before one iteration completed in it (see the fallbacks)")
+        elif covered:
             self._generate()
 
     def _generate(self):
@@ -358,6 +363,7 @@ class Runtime:
         self.graph_runner.cancel(job)
         fallback_lib.restore(job, config.timeout)
         self.stats.fallbacks += 1
+        self.fallbacks_in_a_row += 1
         if isinstance(why, Mismatch):
             category, reason = why.category, why.reason
         else:

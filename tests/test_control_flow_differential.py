@@ -282,3 +282,23 @@ def rnn_varying_length(tape_cls, steps):
 def test_rnn_unrolled_by_python_with_varying_trip_count_and_input_shape():
     assert_same_as_eager(rnn_varying_length, 24, max_traces=4, expect_fallbacks=(0, 0),
                          min_coexecuted=10)
+
+
+def growing_loop(tape_cls, steps):
+    """A loop one trip longer every other step: each new trip count arrives in co-execution,
+    falls back, is traced once more, and the graph is regenerated; no iteration ever completes
+    in a graph."""
+    def forward(net, x, step):
+        h = net.inp(x)
+        for _ in range(step // 2 + 1):
+            h = net.shared(h) + h
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_falling_back_at_every_graph_gives_up_and_runs_eagerly():
+    outcome = assert_same_as_eager(growing_loop, 14, max_traces=14, expect_fallbacks=(4, 4),
+                                   min_coexecuted=0)
+    assert outcome.stats.phase == "eager", outcome.report()
+    assert "4 fallbacks in a row" in outcome.explain, outcome.report()
