@@ -27,6 +27,7 @@ everything the hot path needs precomputed (channels, output specs, static values
 import collections
 import itertools
 
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context, def_function
 from tensorflow.python.framework import constant_op, dtypes, ops, tensor_util
 from tensorflow.python.ops import array_ops, control_flow_switch_case, gen_resource_variable_ops
@@ -48,7 +49,7 @@ class Step:
     __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
                  "check_shapes", "fetch", "has_fetch", "static", "dynamic", "python", "out_feed",
                  "body", "results", "pack", "slow_attrs", "next", "puts", "visits", "seq",
-                 "owner", "cone_phis")
+                 "owner", "cone_phis", "backward_feeds")
 
     def __init__(self, node: TraceNode | None):
         self.node = node
@@ -64,6 +65,8 @@ class Step:
         # GRAD: the joined inputs of its cone, ((slot, input index of the call or None,
         # producer), ...): the producer each must have taken this iteration
         self.cone_phis = ()
+        # GRAD: (channels of its backward ops' feed inputs, {iteration signature: values})
+        self.backward_feeds = None
         if node is None:  # the start of the iteration
             self.kind = NodeKind.START
             return
@@ -92,7 +95,7 @@ class Step:
 class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
-    def __init__(self, start, steps, switch_cases, function, written):
+    def __init__(self, start, steps, switch_cases, function, written, fold_constants=True):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
         self.switch_cases = switch_cases  # [(SwitchCase, Case Select channel or None)]
@@ -101,8 +104,10 @@ class SymbolicGraph:
         inference = function._inference_function
         self.fn_name = inference.name.decode()
         self.captures = list(function.captured_inputs)
-        self.call_attrs = tuple(itertools.chain(
-            *context.context().function_call_options.as_attrs().items()))
+        attrs = context.context().function_call_options.as_attrs()
+        if not fold_constants:
+            attrs["config_proto"] = _without_constant_folding(attrs["config_proto"])
+        self.call_attrs = tuple(itertools.chain(*attrs.items()))
         self.snapshot_fn = _snapshot_function(written)
 
     def __str__(self):
@@ -112,6 +117,19 @@ class SymbolicGraph:
         selects = sum(c is not None for _, c in self.switch_cases)
         return (f"SymbolicGraph({len(self.steps)} steps, {feeds} feeds, {fetches} fetches, "
                 f"{selects} switch-cases, {len(self.written)} written variables)")
+
+
+def _without_constant_folding(serialized):
+    """The function-call config with Grappler's constant folding off.
+
+    Where shapes vary between iterations, the ops of a branch (a gradient region recorded for
+    one image size) constrain the shapes of tensors outside it; Grappler's shape inference
+    unifies them as if every branch ran, and constant folding then turns a ``tf.shape`` of
+    the shared tensor into that one branch's shape (a wrong value, found on FasterRCNN)."""
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(serialized)
+    config.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
+    return config.SerializeToString()
 
 
 def _snapshot_function(written):
@@ -210,6 +228,63 @@ def _unseen_by_python(steps):
     return unseen
 
 
+def _backward_feeds(step, fetched_shapes):
+    """The values a region's backward ops read from outside that change between iterations
+    (``Tile`` multiples, the count a mean divides by: a gradient function computes them in
+    Python from shapes). The PythonRunner skips those functions, so it feeds the values the
+    traces saw, looked up by the iteration's signature: the shapes and tiny values of
+    everything fed before the call, and the output shapes of the ops before it whose shapes
+    depend on data (``fetched_shapes``, fetched anyway). None when it reads no such value."""
+    feeds = [(body_step, i) for body_step in step.body
+             for i, slot in enumerate(body_step.slots) if slot.kind == "feed"]
+    if not feeds:
+        return None
+    table = {}
+    for before, body in step.node.observations:
+        sig = tuple(part for n, k, part in before if (n in fetched_shapes if k is None else
+                    n.inputs[k].kind == "feed" and n.kind is NodeKind.OP and n.in_graph and
+                    not n.in_body))
+        values = [body.get((s.node, i)) for s, i in feeds]
+        if any(v is None for v in values):
+            raise NotImplementedError(
+                f"{step.node.format()}: a backward op reads a large value that changes "
+                "every step; the gradient code that computes it is skipped in co-execution")
+        known = table.setdefault(sig, values)
+        if any(a.tobytes() != b.tobytes() for a, b in zip(known, values)):
+            raise NotImplementedError(
+                f"{step.node.format()}: a backward op reads a value that the shapes and "
+                "values fed before the gradient call do not determine")
+    with ops.init_scope():
+        table = {sig: [constant_op.constant(v, dtype=s.slots[i].dtype)
+                       for v, (s, i) in zip(values, feeds)] for sig, values in table.items()}
+    return [s.feed[i] for s, i in feeds], table
+
+
+def _shapes_vary(tracegraph):
+    """Nodes whose input shapes may differ from every recorded signature: downstream of a
+    feed or Python-run op whose shape varied, or of joined inputs of different shapes. The
+    PythonRunner looks their output shapes up by input shapes (``check_shapes``): a node
+    traced with one signature would otherwise hand out stand-ins of the old shape."""
+    varies = set()
+
+    def exact(shape):
+        return shape is not None and None not in shape
+
+    for node in tracegraph.topological():
+        if node.kind is not NodeKind.OP:
+            continue
+        for slot in node.inputs:
+            if slot.kind == "feed" and not exact(slot.shape) or slot.kind == "same" and any(
+                    not exact(p.inputs[k].shape) for p, k in slot.alts):
+                varies.add(node)
+            elif slot.kind == "node" and (
+                    any(p in varies or not p.in_graph and not exact(p.out_relaxed[k])
+                        for p, k in slot.alts) or
+                    len({tuple(p.out_relaxed[k] or ()) for p, k in slot.alts}) > 1):
+                varies.add(node)
+    return varies
+
+
 def _alts_of(step):
     """Every producer (node, out) that a graph input of ``step`` may read."""
     return [(slot, p) for slot in step.slots if slot.kind == "node" for p in slot.alts]
@@ -264,6 +339,9 @@ def _exports(planned, steps):
 def generate(tracegraph) -> SymbolicGraph:
     """Build the symbolic graph for every path of the TraceGraph."""
     start, steps = _plan(tracegraph)
+    varying = _shapes_vary(tracegraph)
+    for node in varying:
+        steps[node].check_shapes = True
     planned = _switch_cases(tracegraph, start, steps)
     exports = _exports(planned, steps)
     consumers_needing_value = set()  # (node, out) read by a Python-run op
@@ -272,10 +350,6 @@ def generate(tracegraph) -> SymbolicGraph:
     slots = {}  # id -> slot, for phi keys
     unseen = _unseen_by_python(steps)
     for step in steps.values():
-        if step.node in unseen and any(slot.kind == "feed" for slot in step.slots):
-            raise NotImplementedError(
-                f"{step.node.format()}: a backward op reads a value that changes every step; "
-                "the gradient code that computes it is skipped in co-execution")
         for slot in step.slots:
             if slot.kind in ("node", "same") and len(slot.alts) > 1:
                 slots[id(slot)] = slot
@@ -366,7 +440,8 @@ def generate(tracegraph) -> SymbolicGraph:
                 shape, dtype = step.out_specs[k]
                 if t.dtype.as_datatype_enum != dtype:
                     raise AssertionError(f"{node.format()}: graph dtype {t.dtype} differs")
-                if not t.shape.is_fully_defined() and not step.check_shapes:
+                if not t.shape.is_fully_defined() and not step.check_shapes or \
+                        node.data_dependent:
                     step.dynamic = True  # shape not implied by input shapes: data-dependent
             if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
                 for slot in step.slots:
@@ -429,8 +504,12 @@ def generate(tracegraph) -> SymbolicGraph:
     body.__name__ = f"terra_step_{next(_names)}"
     function = def_function.function(body, autograph=False)
     function = function.get_concrete_function()
+    fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}
+    for step in steps.values():
+        if step.kind is NodeKind.GRAD:
+            step.backward_feeds = _backward_feeds(step, fetched_shapes)
     return SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
-                         list(written.values()))
+                         list(written.values()), fold_constants=not varying)
 
 
 def _placeholder(dtype, shape):

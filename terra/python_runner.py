@@ -26,7 +26,7 @@ from tensorflow.python.util import nest
 from terra import opdefs
 from terra.graph_builder import Step
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
-from terra.tracegraph import NodeKind
+from terra.tracegraph import NodeKind, signature_part
 
 _EagerTensor = ops.EagerTensor
 _tape_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
@@ -65,12 +65,13 @@ class IterationAborted(RuntimeError):
 
 
 class Iteration:
-    __slots__ = ("job", "log", "entries", "fed", "fetch_visits", "seq0", "took")
+    __slots__ = ("job", "log", "entries", "fed", "fetch_visits", "seq0", "took", "signature")
 
     def __init__(self, job):
         self.job = job
         self.seq0 = 0  # the runner's step count when the iteration began
         self.took = {}  # phi slot -> the producer it read this iteration
+        self.signature = []  # tracegraph.signature_part of every value fed, in order
         self.log = []  # (step, inputs, outputs, extra) per matched step, for replay
         self.entries = []
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
@@ -224,13 +225,21 @@ class PythonRunner:
         """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""
         step = self._expect(NodeKind.GRAD, "gradient", lambda s: s.attrs == attrs and
                             self._fits(s, None, tensors, None) and
-                            self._same_cone(s, self._validate(s, list(tensors), feed=False)))
+                            self._same_cone(s, self._validate(s, list(tensors), feed=False))
+                            and self._backward_values(s) is not False)
         if step.attrs != attrs:
             raise Mismatch("gradient call with different arguments", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
         if not self._same_cone(step, inputs):
             raise Mismatch("the forward pass this gradient differentiates took a path its "
                            "recorded gradients were not computed for", "new producer")
+        values = self._backward_values(step)
+        if values is False:
+            raise Mismatch("the backward pass needs values for inputs of shapes (or small "
+                           "values) no trace had", "shape change")
+        if values is not None:
+            for channel, value in zip(step.backward_feeds[0], values):
+                channel.put(value)
         flat = []
         for r in step.results:
             if r is None:
@@ -418,6 +427,7 @@ class PythonRunner:
                         raise _bad(step, i, "changed shape", "shape change")
                     if feed and step.feed[i] is not None:
                         step.feed[i].put(a)
+                        it.signature.append(signature_part(a))
                 else:
                     raise _bad(step, i, "has a new producer")
                 log.append(a)
@@ -435,6 +445,7 @@ class PythonRunner:
                     raise _bad(step, i, "changed shape", "shape change")
                 if feed and step.feed[i] is not None:
                     step.feed[i].put(t)
+                    it.signature.append(signature_part(t))
                 log.append(t)
             else:
                 raise _bad(step, i, f"is a Python value, recorded a {kind}")
@@ -466,6 +477,13 @@ class PythonRunner:
             if got != want:
                 return False
         return True
+
+    def _backward_values(self, step):
+        """The values to feed the backward ops of ``step`` this iteration: None if it needs
+        none, False if no trace had this iteration's signature."""
+        if step.backward_feeds is None:
+            return None
+        return step.backward_feeds[1].get(tuple(self.it.signature), False)
 
     def _last_of(self, alts):
         """The alternative whose node ran last this iteration."""
@@ -520,6 +538,7 @@ class PythonRunner:
         outs, entries = self._new_outputs(step, specs)
         if step.dynamic:
             outs = [self._fetch_now(step, k, e) for k, e in enumerate(entries)]
+            self.it.signature.append(tuple(o._shape_tuple() for o in outs))
         # extra: whether gradient recording was paused (tf.stop_gradient): a replay must not
         # put the op on the tape either
         self.it.log.append((step, inputs, entries, _tape_stopped()))

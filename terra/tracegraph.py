@@ -200,11 +200,17 @@ class TraceNode:
         self.out_specs = rec.out_specs if rec else ()
         self.sigs: dict[tuple, tuple] = {}  # input shapes -> output specs
         self.out_relaxed = None  # per output: the shape over every observation (relax())
+        self.data_dependent = False  # output shapes seen to differ for equal input shapes
         self.body_len = rec.body_len if rec else 0
         self.results = None  # GRAD: per source leaf None | ("t", (node, out)) | ("is", ...)
         # GRAD: where every input in the cone of its target came from when it was recorded
         # (see _cone); a region is only valid where the forward pass was the same
         self.cone = None
+        # GRAD: per trace through it, (what came before the call: (node, input, signature
+        # part) per external input and (node, None, output shapes) per op, {(body node,
+        # input): value} of the body's external inputs): backward ops compute shape-derived
+        # values in Python; Terra feeds them by the iteration's signature
+        self.observations = []
         self.fetched: set[int] = set()
         self.escaped: set[int] = set()
         self.seen = 0  # traces that went through this node
@@ -340,9 +346,10 @@ class TraceGraph:
             cur = in_graph_order[-1]
             i += len(in_record_order)
         rec_nodes = trace.nodes
-        for rec, node in zip(records, rec_nodes):
+        for i, (rec, node) in enumerate(zip(records, rec_nodes)):
             if rec.kind == "grad":
                 node.results = [_resolve_result(r, rec_nodes) for r in rec.results]
+                node.observations.append(_observation(records, i, rec_nodes))
         if self.end not in cur.succs:
             covered = False
             self._link(cur, self.end)
@@ -432,7 +439,8 @@ class TraceGraph:
         """Fold what one observation of ``node`` adds: shapes, fetches, escapes."""
         sig = _in_shapes(rec, records)
         if node.sigs.setdefault(sig, rec.out_specs) != rec.out_specs:
-            node.sigs[sig] = rec.out_specs  # same inputs, new output shapes: data-dependent
+            node.sigs[sig] = rec.out_specs
+            node.data_dependent = True  # same input shapes, new output shapes
         node.out_specs = rec.out_specs
         relaxed = node.out_relaxed
         node.out_relaxed = [spec[0] for spec in rec.out_specs] if relaxed is None else \
@@ -502,6 +510,29 @@ class TraceGraph:
                 continue
             lines.append(n.format())
         return "\n".join(lines)
+
+
+def signature_part(t):
+    """What an external input contributes to an iteration's signature: its shape, and its
+    value if it is tiny (a size, a ratio), as bytes."""
+    if t._num_elements() <= ONCE_CONST and t.dtype not in (dtypes.string, dtypes.variant):
+        return t._shape_tuple(), t._numpy_internal().tobytes()
+    return t._shape_tuple(), None
+
+
+def _observation(records, i, nodes):
+    """See ``TraceNode.observations``: what the gradient call at record ``i`` saw."""
+    before = []
+    for j in range(i):
+        before += [(nodes[j], k, signature_part(ref[1]))
+                   for k, ref in enumerate(records[j].inputs) if ref[0] == "ext"]
+        before.append((nodes[j], None, tuple(spec[0] for spec in records[j].out_specs)))
+    body = {}
+    for j in range(i + 1, i + 1 + records[i].body_len):
+        for k, ref in enumerate(records[j].inputs):
+            if ref[0] == "ext" and ref[1]._num_elements() <= SMALL_CONST:
+                body[(nodes[j], k)] = np.array(ref[1]._numpy_internal())
+    return before, body
 
 
 def _cone(records, i, nodes):

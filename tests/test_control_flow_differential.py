@@ -24,6 +24,8 @@ import tensorflow as tf
 from differential import assert_same_as_eager
 from tiny_models import batch, classification_data, sparse_xent, state
 
+import terra.config
+
 STEPS = 16
 
 
@@ -298,7 +300,8 @@ def growing_loop(tape_cls, steps):
 
 
 def test_falling_back_at_every_graph_gives_up_and_runs_eagerly():
-    outcome = assert_same_as_eager(growing_loop, 14, max_traces=14, expect_fallbacks=(4, 4),
-                                   min_coexecuted=0)
+    limit = terra.config.config.max_fallbacks_in_a_row
+    outcome = assert_same_as_eager(growing_loop, 2 * limit + 6, max_traces=2 * limit + 6,
+                                   expect_fallbacks=(limit, limit), min_coexecuted=0)
     assert outcome.stats.phase == "eager", outcome.report()
-    assert "4 fallbacks in a row" in outcome.explain, outcome.report()
+    assert f"{limit} fallbacks in a row" in outcome.explain, outcome.report()
