@@ -54,7 +54,10 @@ REGISTRY = {
     "gpt2": Entry("gpt2:GPT2", 12, 20, random=True),
     "bert_cls": Entry("bert_cls:BertCls", 8, 20, random=True),
     "dropblock": Entry("dropblock:DropBlock", 8, 40, random=True),
-    "sdpoint": Entry("sdpoint:SDPoint", 12, 20),
+    # Grappler's rewrites round differently from eager kernels (2e-7 relative at the first
+    # co-executed step; bit-identical with Grappler off) and the random down-sampling
+    # amplifies it to ~3e-4 within ten steps: compared over the warm-up steps.
+    "sdpoint": Entry("sdpoint:SDPoint", 12, 20, compare_steps=12),
     "fasterrcnn": Entry("fasterrcnn:FasterRCNN", 10, 40, op_determinism=True),
     "music_transformer": Entry("music_transformer:MusicTransformer", 8, 24, random=True),
 }
