@@ -39,9 +39,10 @@ class Config:
       max_trace_ops: a trace longer than this is abandoned and the iteration runs eagerly
         (ops after the training loop belong to the last iteration; this bounds their cost).
       max_fallbacks_in_a_row: after this many fallbacks without a co-executed iteration in
-        between, stop generating graphs and run eagerly (``explain()`` says why): a program
-        that takes a new path every step (a loop growing by one trip per step) would
-        otherwise trace, generate and fall back forever, slower than eager.
+        between, or this many in all once they outnumber the co-executed iterations, stop
+        generating graphs and run eagerly (``explain()`` says why): a program that takes a
+        new path every step (a loop growing by one trip per step, a data-dependent shape)
+        would otherwise trace, generate and fall back forever, slower than eager.
     """
 
     disable: bool = False

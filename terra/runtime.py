@@ -296,9 +296,13 @@ class Runtime:
         self.stats.traces += 1
         if config.check:
             self.tracegraph.lint()
-        if covered and self.fallbacks_in_a_row >= config.max_fallbacks_in_a_row:
+        limit, s = config.max_fallbacks_in_a_row, self.stats
+        if covered and self.fallbacks_in_a_row >= limit:
             self._give_up(f"{self.fallbacks_in_a_row} fallbacks in a row: every graph was "
                           "left before one iteration completed in it (see the fallbacks)")
+        elif covered and s.fallbacks >= limit and s.fallbacks > s.coexecuted:
+            self._give_up(f"{s.fallbacks} fallbacks and only {s.coexecuted} co-executed "
+                          "iterations: new paths keep coming (see the fallbacks)")
         elif covered:
             self._generate()
 
