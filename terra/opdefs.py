@@ -93,12 +93,16 @@ def _norm(kind: str, value):
 
 
 def normalize_attrs(op_type: str, flat) -> tuple:
-    """Flat ``(name, value, ...)`` eager attrs -> sorted hashable ``((name, value), ...)``."""
+    """Flat ``(name, value, ...)`` eager attrs -> sorted hashable ``((name, value), ...)``.
+    An attr given as None is left at its default, as if not given (a replayed op is issued
+    without it, and must match the node it replays)."""
     if not flat:
         return ()
     types = info(op_type).attr_types
     pairs = []
     for i in range(0, len(flat), 2):
+        if flat[i + 1] is None:
+            continue
         name = op_name(flat[i])
         kind = types.get(name)
         pairs.append((name, _norm(kind, flat[i + 1]) if kind else flat[i + 1]))

@@ -211,7 +211,7 @@ def late_path(tape_cls, steps):
     first step reads a variable the graph never read: eager tapes only get that gradient if the
     fallback announces the read."""
     def forward(net, x, step):
-        h = net.inp(x)
+        h = tf.squeeze(tf.expand_dims(net.inp(x), 1))  # an attr left unset (squeeze_dims)
         if step >= 12 and step % 2 == 0:
             h = net.alt(h)
         return net.out(h)
@@ -232,6 +232,8 @@ def test_a_path_first_seen_late_falls_back_then_coexecutes():
                      outcome.explain), outcome.report()
     assert re.search(r"\d+: \[tf.switch_case\] \{%\d+[^}]*\} via %\d+->%\d+ \| \{",
                      outcome.explain), outcome.report()
+    # the replayed prefix matched the nodes it replays, the Squeeze with its unset attr too
+    assert len(re.findall(r"^%\d+ = Squeeze", outcome.explain, re.M)) == 1, outcome.report()
 
 
 def shared_layer_repeated(tape_cls, steps):
