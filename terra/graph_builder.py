@@ -324,8 +324,6 @@ def _exports(planned, steps):
                     sc_of[body_step.node] = j
     exports = [dict() for _ in planned]  # ordered sets
     for node, step in steps.items():
-        if step.kind is NodeKind.START:
-            continue
         for slot in step.slots:
             if slot.kind not in ("node", "same"):
                 continue
