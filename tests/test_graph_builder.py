@@ -1,0 +1,78 @@
+"""Graph generation from hand-written traces: the switch-cases it emits, the Case Select puts
+the PythonRunner follows, and the Grappler settings of the generated function."""
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+from tensorflow.python.eager import cancellation
+from test_tracegraph import at, ext, op_at
+
+from terra.graph_builder import generate
+from terra.tracegraph import TraceGraph
+
+
+def trace(middle_line, middle_op, rows=4, value=1.0):
+    """``y = Neg(x)``; ``z = <middle_op>(y)`` at ``middle_line``; ``Exp(z)`` at line 9, whose
+    value Python reads."""
+    x = ext(np.full((rows, 3), value))
+    recs = [op_at(at(1), "Neg", x), op_at(at(middle_line), middle_op, ("op", 0, 0)),
+            op_at(at(9), "Exp", ("op", 1, 0))]
+    recs[-1].fetched.add(0)
+    return recs
+
+
+def graph_of(*traces):
+    g = TraceGraph()
+    for t in traces:
+        g.merge(t)
+    return g, generate(g)
+
+
+def constant_folding(graph):
+    attrs = dict(zip(graph.call_attrs[::2], graph.call_attrs[1::2]))
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(attrs["config_proto"])
+    return config.graph_options.rewrite_options.constant_folding
+
+
+def test_an_if_else_that_joins_is_one_switch_case_with_a_phi_after_it():
+    g, graph = graph_of(trace(5, "Abs"), trace(7, "Square"), trace(5, "Abs"), trace(7, "Square"))
+    assert "Exp(phi(" in str(g), str(g)
+    switches = [sc for sc, channel in graph.switch_cases if channel is not None]
+    assert len(switches) == 1 and len(switches[0].cases) == 2, str(graph)
+    ops = [op.type for op in graph.function.graph.get_operations()]
+    assert ops.count("Case") + ops.count("StatelessCase") == 1, ops
+    neg = graph.steps[next(n for n in g.nodes if n.op_type == "Neg")]
+    # taking either edge out of Neg feeds that case's index to the one Case Select channel
+    assert [[k for _, k in puts] for puts in neg.puts] == [[0], [1]]
+
+
+def test_constant_folding_stays_on_where_shapes_never_vary():
+    _, graph = graph_of(trace(5, "Abs"), trace(5, "Abs"))
+    assert constant_folding(graph) != rewriter_config_pb2.RewriterConfig.OFF
+
+
+def test_constant_folding_is_off_where_a_fed_shape_varies():
+    """Grappler would unify a tensor shared by branches with one branch's shapes and fold
+    ``tf.shape`` of it to a constant (a stale feature-map size, found on FasterRCNN)."""
+    g, graph = graph_of(trace(5, "Abs", rows=4), trace(5, "Abs", rows=6))
+    assert "feed[float32 ?x3]" in str(g), str(g)
+    assert constant_folding(graph) == rewriter_config_pb2.RewriterConfig.OFF
+    assert all(step.check_shapes for step in graph.steps.values()), "shapes are looked up"
+
+
+def test_the_generated_function_runs_the_taken_case():
+    """Feed x and the Case Select by hand, as the PythonRunner would, and fetch Exp."""
+    g, graph = graph_of(*[trace(line, op_type, value=v) for v, (line, op_type) in
+                          enumerate([(5, "Abs"), (7, "Square")] * 2)])
+    steps = {n.op_type: graph.steps[n] for n in g.nodes if n.op_type in ("Neg", "Exp")}
+    [feed] = [c for c in steps["Neg"].feed if c is not None]
+    [fetch] = [c for c in steps["Exp"].fetch if c is not None]
+    x = np.full((4, 3), 0.5, np.float32)
+    for path, expected in ((1, np.exp(np.square(-x))), (0, np.exp(np.abs(-x)))):
+        feed.put(tf.constant(x))
+        [(channel, index)] = steps["Neg"].puts[path]
+        channel.put(tf.constant(index, tf.int32))
+        graph.function()
+        np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()), expected,
+                                   rtol=1e-6)
