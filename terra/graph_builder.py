@@ -354,6 +354,10 @@ def generate(tracegraph) -> SymbolicGraph:
                 for p, k in slot.alts:
                     key = (p, k) if slot.kind == "node" else ("s", p, k)
                     phi_of.setdefault(key, []).append(id(slot))
+        if step.kind is NodeKind.GRAD:  # a result whose shape varies is fetched for its shape
+            consumers_needing_value.update(
+                part for r in step.results for part in (r or ())[1:]
+                if part is not None and len(part[0].sigs) > 1)
         for _, (p, k) in _alts_of(step):
             if step.python and p.in_graph:
                 consumers_needing_value.add((p, k))
@@ -503,11 +507,24 @@ def generate(tracegraph) -> SymbolicGraph:
     function = def_function.function(body, autograph=False)
     function = function.get_concrete_function()
     fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}
+    for node in _downstream(tracegraph, fetched_shapes):
+        steps[node].check_shapes = True
     for step in steps.values():
         if step.kind is NodeKind.GRAD:
             step.backward_feeds = _backward_feeds(step, fetched_shapes)
     return SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
-                         list(written.values()), fold_constants=not varying)
+                         list(written.values()), fold_constants=not varying and not fetched_shapes)
+
+
+def _downstream(tracegraph, sources):
+    """Ops that read, directly or not, an output of ``sources``: a data-dependent shape
+    reaches them, so the PythonRunner looks their output shapes up by input shapes."""
+    reached = set(sources)
+    for node in tracegraph.topological():
+        if node.kind is NodeKind.OP and node not in reached and any(
+                p in reached for slot in node.inputs if slot.kind == "node" for p, _ in slot.alts):
+            reached.add(node)
+    return reached - set(sources)
 
 
 def _placeholder(dtype, shape):
