@@ -122,10 +122,10 @@ class SymbolicGraph:
 def _without_constant_folding(serialized):
     """The function-call config with Grappler's constant folding off.
 
-    Where shapes vary between iterations, the ops of a branch (a gradient region recorded for
-    one image size) constrain the shapes of tensors outside it; Grappler's shape inference
-    unifies them as if every branch ran, and constant folding then turns a ``tf.shape`` of
-    the shared tensor into that one branch's shape (a wrong value, found on FasterRCNN)."""
+    Where shapes vary between iterations, ops recorded for one shape constrain the shapes of
+    tensors that other paths share; Grappler's shape inference unifies them as if every branch
+    ran, and constant folding then turned a ``tf.shape`` of a shared tensor into one path's
+    shape (a wrong value, found on FasterRCNN; bit-exact again with only this pass off)."""
     config = config_pb2.ConfigProto()
     config.ParseFromString(serialized)
     config.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
