@@ -125,7 +125,7 @@ def _without_constant_folding(serialized):
     Where shapes vary between iterations, ops recorded for one shape constrain the shapes of
     tensors that other paths share; Grappler's shape inference unifies them as if every branch
     ran, and constant folding then turned a ``tf.shape`` of a shared tensor into one path's
-    shape (a wrong value, found on FasterRCNN; bit-exact again with only this pass off)."""
+    shape (a wrong value, found on FasterRCNN; right again with only this pass off)."""
     config = config_pb2.ConfigProto()
     config.ParseFromString(serialized)
     config.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
