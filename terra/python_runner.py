@@ -71,7 +71,8 @@ class Iteration:
         self.job = job
         self.seq0 = 0  # the runner's step count when the iteration began
         self.took = {}  # phi slot -> the producer it read this iteration
-        self.signature = []  # tracegraph.signature_part of every value fed, in order
+        # tracegraph.signature_part of every value fed, in order; None if no region needs it
+        self.signature = None
         self.log = []  # (step, inputs, outputs, extra) per matched step, for replay
         self.entries = []
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
@@ -151,6 +152,8 @@ class PythonRunner:
         self._case_index = [constant_op.constant(i, dtype=dtypes.int32) for i in range(fanout)]
         self.cur = graph.start  # the last matched step
         self.seq = 0  # steps matched so far: Step.seq says which producer of a phi ran last
+        # whether a gradient region is fed backward values by the iteration's signature
+        self.signed = any(s.backward_feeds for s in graph.steps.values())
         self.it = None
         self.wait_cm = cancellation.CancellationManager()
         self.stall_time = 0.0
@@ -159,6 +162,8 @@ class PythonRunner:
     def begin(self, it: Iteration):
         self.it = it
         it.seq0 = self.seq
+        if self.signed:
+            it.signature = []
         self.cur = self.graph.start
 
     def at_end(self) -> bool:
@@ -223,10 +228,8 @@ class PythonRunner:
 
     def gradient(self, attrs, tensors, extra):
         """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""
-        step = self._expect(NodeKind.GRAD, "gradient", lambda s: s.attrs == attrs and
-                            self._fits(s, None, tensors, None) and
-                            self._same_cone(s, self._validate(s, list(tensors), feed=False))
-                            and self._backward_values(s) is not False)
+        step = self._expect(NodeKind.GRAD, "gradient",
+                            lambda s: s.attrs == attrs and self._grad_fits(s, tensors))
         if step.attrs != attrs:
             raise Mismatch("gradient call with different arguments", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
@@ -263,6 +266,15 @@ class PythonRunner:
                 self._visit(body_step)
         self._move(step)
         return flat
+
+    def _grad_fits(self, step, tensors):
+        """Whether a gradient call fits ``step``: its inputs, the forward pass its region was
+        recorded for, and backward values known for this iteration's signature."""
+        try:
+            inputs = self._validate(step, list(tensors), feed=False)
+        except Mismatch:
+            return False
+        return self._same_cone(step, inputs) and self._backward_values(step) is not False
 
     def _entries_of(self, structure):
         tensors = self.tensors
@@ -427,7 +439,8 @@ class PythonRunner:
                         raise _bad(step, i, "changed shape", "shape change")
                     if feed and step.feed[i] is not None:
                         step.feed[i].put(a)
-                        it.signature.append(signature_part(a))
+                        if it.signature is not None:
+                            it.signature.append(signature_part(a))
                 else:
                     raise _bad(step, i, "has a new producer")
                 log.append(a)
@@ -445,7 +458,8 @@ class PythonRunner:
                     raise _bad(step, i, "changed shape", "shape change")
                 if feed and step.feed[i] is not None:
                     step.feed[i].put(t)
-                    it.signature.append(signature_part(t))
+                    if it.signature is not None:
+                        it.signature.append(signature_part(t))
                 log.append(t)
             else:
                 raise _bad(step, i, f"is a Python value, recorded a {kind}")
@@ -536,19 +550,16 @@ class PythonRunner:
             if specs is None:
                 raise Mismatch(f"{step.op_type} called with new input shapes {key}", "shape change")
         outs, entries = self._new_outputs(step, specs)
-        if step.dynamic:
-            outs = [self._fetch_now(step, k, e) for k, e in enumerate(entries)]
-            self.it.signature.append(tuple(o._shape_tuple() for o in outs))
+        if step.dynamic:  # data-dependent shapes: the real outputs, whatever their shapes (the
+            # ops that read them look their shapes up by input shapes: _downstream)
+            outs = [self._fetched(e) for e in entries]
+            if self.it.signature is not None:
+                self.it.signature.append(tuple(o._shape_tuple() for o in outs))
         # extra: whether gradient recording was paused (tf.stop_gradient): a replay must not
         # put the op on the tape either
         self.it.log.append((step, inputs, entries, _tape_stopped()))
         self._move(step)
         return outs
-
-    def _fetch_now(self, step, k, entry):
-        """The real output of a data-dependent op: its shape may be new, the ops that read it
-        look their shapes up by input shapes (``graph_builder._downstream``)."""
-        return self._fetched(entry)
 
     def _fetched(self, e):
         """Fetch an output whose shape Python must see, and hand out the real tensor in

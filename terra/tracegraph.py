@@ -73,14 +73,6 @@ class Slot:
         self.values_vary = False
         self.seen = 0  # observations (external slots)
 
-    @property
-    def node(self):
-        return self.alts[0][0]
-
-    @property
-    def out(self):
-        return self.alts[0][1]
-
     @classmethod
     def external(cls, t):
         slot = cls("feed")
