@@ -54,6 +54,9 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
     p.add_argument("--rtol", type=float, default=1e-4,
                    help="relative tolerance of the loss comparison with eager (default 1e-4)")
+    p.add_argument("--xla-rtol", type=float, default=1e-3,
+                   help="relative tolerance for XLA modes, whose fused kernels round "
+                        "differently (default 1e-3)")
     p.add_argument("--atol", type=float, default=1e-6,
                    help="absolute tolerance of the loss comparison (default 1e-6)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
@@ -97,15 +100,16 @@ def main(argv=None) -> int:
     runs = harness.measure(args.programs, args.modes, config=args.config, steps=steps,
                            warmup=warmup, repeats=args.repeats, seed=args.seed,
                            timeout=args.timeout, inprocess=args.inprocess)
-    rows = harness.summarize(runs, args.programs, args.modes, args.rtol, args.atol)
+    rows = harness.summarize(runs, args.programs, args.modes, args.rtol, args.atol,
+                             args.xla_rtol)
     meta = dict(
         command="python -m benchmarks " + shlex.join(sys.argv[1:] if argv is None else argv),
         date=datetime.datetime.now().isoformat(timespec="seconds"), machine=_machine(),
         tensorflow=_tf_version(), keras=importlib.metadata.version("keras"),
         python=platform.python_version(), programs=args.programs, modes=args.modes,
         config=args.config, steps=steps, warmup=warmup, repeats=args.repeats, seed=args.seed,
-        rtol=args.rtol, atol=args.atol, isolation="in-process" if args.inprocess
-        else "one worker process per run")
+        rtol=args.rtol, xla_rtol=args.xla_rtol, atol=args.atol,
+        isolation="in-process" if args.inprocess else "one worker process per run")
     print(report.text_table(rows))
     paths = report.write(rows, runs, meta, args.out, args.programs, args.modes)
     print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)

@@ -101,7 +101,8 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def summarize(runs: list[dict], programs, modes, rtol: float, atol: float) -> list[dict]:
+def summarize(runs: list[dict], programs, modes, rtol: float, atol: float,
+              xla_rtol: float) -> list[dict]:
     """One row per (program, mode): status, speed, paired ratios, traces, memory."""
     by_key = {(r["program"], r["mode"], r["repeat"]): r for r in runs}
     repeats = sorted({r["repeat"] for r in runs})
@@ -112,7 +113,8 @@ def summarize(runs: list[dict], programs, modes, rtol: float, atol: float) -> li
         for mode in modes:
             mine = [by_key[(program, mode, k)] for k in repeats]
             row = dict(program=program, mode=mode, label=MODES[mode].label)
-            row.update(_check(program, mode, mine, eager, rtol, atol))
+            row.update(_check(program, mode, mine, eager,
+                              xla_rtol if MODES[mode].xla else rtol, atol))
             row.update(_speed(mode, modes, sps))
             row.update(_terra(mine))
             row["traces"] = _median([_traces(r) for r in mine])
@@ -124,7 +126,8 @@ def summarize(runs: list[dict], programs, modes, rtol: float, atol: float) -> li
 
 def _check(program, mode, mine, eager, rtol, atol) -> dict:
     """Status of one (program, mode): ok, FAIL (raised), WRONG (losses differ from eager's),
-    NONDET (eager itself differs between repeats) or UNCHECKED (XLA on a random program)."""
+    NONDET (eager itself differs between repeats) or UNCHECKED (AutoGraph+XLA on a program
+    that draws random numbers: Terra+XLA keeps random ops out of XLA, AutoGraph+XLA cannot)."""
     compared = REGISTRY[program].compare_steps
     mismatches, max_rel = [], 0.0
     for k, r in enumerate(mine):
@@ -138,7 +141,7 @@ def _check(program, mode, mine, eager, rtol, atol) -> dict:
     errors = [r["error"] for r in mine if "error" in r]
     if errors:
         result.update(status="FAIL", detail=errors[0])
-    elif MODES[mode].xla and REGISTRY[program].random:
+    elif MODES[mode].jit_compile and REGISTRY[program].random:
         result.update(status="UNCHECKED", detail="XLA draws other random numbers than eager "
                       "(dropout/noise in the step); losses not compared")
     elif mismatches:

@@ -97,7 +97,8 @@ def markdown(rows, meta) -> str:
         "steps/s is the median over repeats and +-% half its range; ratios are medians of "
         "per-repeat ratios. The losses of every step (warm-up and timed; only the first steps "
         "where the last column says so) are compared with eager's of the same repeat: "
-        f"rtol {meta['rtol']:g}, atol {meta['atol']:g}.", "",
+        f"rtol {meta['rtol']:g} (XLA modes {meta.get('xla_rtol', meta['rtol']):g}: fused "
+        f"kernels round differently), atol {meta['atol']:g}.", "",
         markdown_table(rows),
     ]
     stats = stats_table(rows)

@@ -20,6 +20,14 @@ and shape (never read: the PythonRunner validates that every input's producer ra
 that joins paths (a ``phi`` slot) reads whichever of its producers ran last; in the graph it is
 a running value that each of those producers overwrites.
 
+With ``xla``, the graph's compute ops carry the attributes ``tf.xla.experimental.jit_scope``
+sets, so TF's clustering pass compiles them with XLA (on CPU too: an explicit request) and
+leaves out what XLA cannot compile (queues, Python-run values, ``tf.switch_case`` itself).
+Random ops stay outside the clusters: XLA draws other numbers than TF's kernels for the same
+seed, and Terra must compute what eager computes. The scope changes at every fetch: a cluster
+never spans one, so Python does not wait for the whole cluster around a value it reads (the
+paper saw XLA delay Output Fetching on YOLOv3).
+
 Alongside the function it emits the PythonRunner's plan: one :class:`Step` per node with
 everything the hot path needs precomputed (channels, output specs, static values, successors).
 """
@@ -27,6 +35,7 @@ everything the hot path needs precomputed (channels, output specs, static values
 import collections
 import itertools
 
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context, def_function
 from tensorflow.python.framework import constant_op, dtypes, ops, tensor_util
@@ -95,7 +104,7 @@ class Step:
 class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
-    def __init__(self, start, steps, switch_cases, function, written, fold_constants=True):
+    def __init__(self, start, steps, switch_cases, function, written, rewriters_off=()):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
         self.switch_cases = switch_cases  # [(SwitchCase, Case Select channel or None)]
@@ -105,8 +114,8 @@ class SymbolicGraph:
         self.fn_name = inference.name.decode()
         self.captures = list(function.captured_inputs)
         attrs = context.context().function_call_options.as_attrs()
-        if not fold_constants:
-            attrs["config_proto"] = _without_constant_folding(attrs["config_proto"])
+        if rewriters_off:
+            attrs["config_proto"] = _with_rewriters_off(attrs["config_proto"], rewriters_off)
         self.call_attrs = tuple(itertools.chain(*attrs.items()))
         self.snapshot_fn = _snapshot_function(written)
 
@@ -119,16 +128,23 @@ class SymbolicGraph:
                 f"{selects} switch-cases, {len(self.written)} written variables)")
 
 
-def _without_constant_folding(serialized):
-    """The function-call config with Grappler's constant folding off.
+def _with_rewriters_off(serialized, names):
+    """The function-call config with Grappler's rewriters ``names`` off.
 
-    Where shapes vary between iterations, ops recorded for one shape constrain the shapes of
-    tensors that other paths share; Grappler's shape inference unifies them as if every branch
-    ran, and constant folding then turned a ``tf.shape`` of a shared tensor into one path's
-    shape (a wrong value, found on FasterRCNN; right again with only this pass off)."""
+    ``constant_folding``, where shapes vary between iterations: ops recorded for one shape
+    constrain the shapes of tensors that other paths share; Grappler's shape inference unifies
+    them as if every branch ran, and constant folding then turned a ``tf.shape`` of a shared
+    tensor into one path's shape (a wrong value, found on FasterRCNN; right again with only
+    this pass off).
+
+    ``arithmetic_optimization`` and ``remapping``, under XLA: they run before XLA's clustering
+    and replace marked ops by fused TF-only ops without the marks (``_UnaryOpsComposition``,
+    ``_FusedConv2D``), which cut the clusters; XLA fuses those ops itself."""
     config = config_pb2.ConfigProto()
     config.ParseFromString(serialized)
-    config.graph_options.rewrite_options.constant_folding = rewriter_config_pb2.RewriterConfig.OFF
+    for name in names:
+        setattr(config.graph_options.rewrite_options, name,
+                rewriter_config_pb2.RewriterConfig.OFF)
     return config.SerializeToString()
 
 
@@ -334,8 +350,10 @@ def _exports(planned, steps):
     return [list(e) for e in exports]
 
 
-def generate(tracegraph) -> SymbolicGraph:
-    """Build the symbolic graph for every path of the TraceGraph."""
+def generate(tracegraph, xla=False) -> SymbolicGraph:
+    """Build the symbolic graph for every path of the TraceGraph (its compute ops compiled
+    with XLA if ``xla``)."""
+    graph_name = f"terra_step_{next(_names)}"
     start, steps = _plan(tracegraph)
     varying = _shapes_vary(tracegraph)
     for node in varying:
@@ -375,6 +393,8 @@ def generate(tracegraph) -> SymbolicGraph:
                     step.out_feed[k] = Channel(dtype, node.out_relaxed[k])
 
     written = {}
+    segments = itertools.count()  # XLA scopes: a new one after every fetch
+    scope = [None]
 
     def body():
         top = ops.get_default_graph()
@@ -407,6 +427,7 @@ def generate(tracegraph) -> SymbolicGraph:
                     attrs={"Tcomponents": opdefs.attr_value("list(type)", [channel.dtype]),
                            "timeout_ms": opdefs.attr_value("int", -1)})
             last_fetch[:] = [op]
+            scope[0] = None
             step.fetch[k] = channel
             step.has_fetch = True
 
@@ -417,6 +438,8 @@ def generate(tracegraph) -> SymbolicGraph:
 
         def emit(step, env, last_fetch):
             node = step.node
+            graph = ops.get_default_graph()
+            n_ops = len(graph.get_operations())
             if step.python:
                 for k, channel in enumerate(step.out_feed):
                     if channel is not None:
@@ -435,8 +458,13 @@ def generate(tracegraph) -> SymbolicGraph:
                     t = dequeue(step.feed[i], last_fetch)
                 define(env, ("s", node, i), t)
                 inputs.append(t)
-            op = ops.get_default_graph()._create_op_internal(node.op_type, inputs,
-                                                             attrs=_attr_protos(node))
+            op = graph._create_op_internal(node.op_type, inputs, attrs=_attr_protos(node))
+            if xla:
+                if scope[0] is None:
+                    scope[0] = f"{graph_name}_{next(segments)}".encode()
+                for created in graph.get_operations()[n_ops:]:
+                    if not created.type.startswith("Queue") and not _draws_random(created):
+                        _compile_with_xla(created, scope[0])
             for k, t in enumerate(op.outputs):
                 define(env, ("v", node, k), t)
                 shape, dtype = step.out_specs[k]
@@ -503,7 +531,7 @@ def generate(tracegraph) -> SymbolicGraph:
                 last_fetch[:] = [op for op in graph.get_operations()[n_ops:]
                                  if op.type in ("Case", "StatelessCase")]
 
-    body.__name__ = f"terra_step_{next(_names)}"
+    body.__name__ = graph_name
     function = def_function.function(body, autograph=False)
     function = function.get_concrete_function()
     fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}
@@ -512,8 +540,11 @@ def generate(tracegraph) -> SymbolicGraph:
     for step in steps.values():
         if step.kind is NodeKind.GRAD:
             step.backward_feeds = _backward_feeds(step, fetched_shapes)
+    off = ["constant_folding"] if varying or fetched_shapes else []
+    if xla:
+        off += ["arithmetic_optimization", "remapping"]
     return SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
-                         list(written.values()), fold_constants=not varying and not fetched_shapes)
+                         list(written.values()), rewriters_off=off)
 
 
 def _downstream(tracegraph, sources):
@@ -525,6 +556,19 @@ def _downstream(tracegraph, sources):
                 p in reached for slot in node.inputs if slot.kind == "node" for p, _ in slot.alts):
             reached.add(node)
     return reached - set(sources)
+
+
+def _draws_random(op):
+    return any(word in op.type for word in ("Random", "TruncatedNormal", "Multinomial"))
+
+
+def _compile_with_xla(op, scope):
+    """Mark ``op`` for XLA in cluster scope ``scope``: what ``jit_scope`` does to the ops
+    created under it (one scope per segment between fetches cannot be a ``with`` block here:
+    a segment starts and ends in the middle of emitting a node)."""
+    op._set_attr("_XlaCompile", attr_value_pb2.AttrValue(b=True))
+    op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=scope))
+    op._set_attr("_XlaSeparateCompiledGradients", attr_value_pb2.AttrValue(b=False))
 
 
 def _placeholder(dtype, shape):

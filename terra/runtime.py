@@ -126,8 +126,6 @@ class CoexecDoor:
 class Runtime:
     def __init__(self):
         global _original_numpy
-        if config.xla:  # say so rather than silently run without XLA
-            raise NotImplementedError("Terra: the xla switch (TERRA_XLA) is not built yet")
         self.stats = Stats()
         self.tracegraph = TraceGraph()
         self.sites = Sites()
@@ -309,7 +307,7 @@ class Runtime:
     def _generate(self):
         try:
             with interception.paused():
-                self.graph = generate(self.tracegraph)
+                self.graph = generate(self.tracegraph, xla=config.xla)
         except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
             self._give_up(f"graph generation failed: {type(e).__name__}: {e}")
             return

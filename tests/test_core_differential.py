@@ -568,3 +568,11 @@ def test_lazy_mode_serializes_the_runners_with_the_same_numbers():
     """TERRA_LAZY=1: the graph of an iteration starts only when Python needs a value."""
     outcome = assert_same_as_eager(mlp_adam_program, STEPS, env={"TERRA_LAZY": "1"})
     assert outcome.stats.coexecuted > 0, outcome.report()
+
+
+def test_xla_mode_computes_eager_numbers_with_random_ops_outside_xla():
+    """TERRA_XLA=1: the graph's compute ops run compiled; dropout's random ops stay TF ops
+    (XLA would draw other numbers), so the numbers are eager's up to XLA's rounding."""
+    outcome = assert_same_as_eager(stateful_random_program, STEPS, env={"TERRA_XLA": "1"},
+                                   rtol=1e-4, atol=1e-6)
+    assert outcome.stats.coexecuted > 0, outcome.report()

@@ -1,10 +1,12 @@
 """Graph generation from hand-written traces: the switch-cases it emits, the Case Select puts
 the PythonRunner follows, and the Grappler settings of the generated function."""
 
+import itertools
+
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import cancellation
+from tensorflow.python.eager import cancellation, context, execute
 from test_tracegraph import at, ext, op_at
 
 from terra.graph_builder import generate
@@ -21,11 +23,11 @@ def trace(middle_line, middle_op, rows=4, value=1.0):
     return recs
 
 
-def graph_of(*traces):
+def graph_of(*traces, xla=False):
     g = TraceGraph()
     for t in traces:
         g.merge(t)
-    return g, generate(g)
+    return g, generate(g, xla=xla)
 
 
 def constant_folding(graph):
@@ -33,6 +35,14 @@ def constant_folding(graph):
     config = config_pb2.ConfigProto()
     config.ParseFromString(attrs["config_proto"])
     return config.graph_options.rewrite_options.constant_folding
+
+
+def feed_and_fetch(g, graph):
+    """The channels of the hand-written trace's feed (``x``) and fetch (``Exp``)."""
+    steps = {n.op_type: graph.steps[n] for n in g.nodes if n.op_type in ("Neg", "Exp")}
+    [feed] = [c for c in steps["Neg"].feed if c is not None]
+    [fetch] = [c for c in steps["Exp"].fetch if c is not None]
+    return steps, feed, fetch
 
 
 def test_an_if_else_that_joins_is_one_switch_case_with_a_phi_after_it():
@@ -65,9 +75,7 @@ def test_the_generated_function_runs_the_taken_case():
     """Feed x and the Case Select by hand, as the PythonRunner would, and fetch Exp."""
     g, graph = graph_of(*[trace(line, op_type, value=v) for v, (line, op_type) in
                           enumerate([(5, "Abs"), (7, "Square")] * 2)])
-    steps = {n.op_type: graph.steps[n] for n in g.nodes if n.op_type in ("Neg", "Exp")}
-    [feed] = [c for c in steps["Neg"].feed if c is not None]
-    [fetch] = [c for c in steps["Exp"].fetch if c is not None]
+    steps, feed, fetch = feed_and_fetch(g, graph)
     x = np.full((4, 3), 0.5, np.float32)
     for path, expected in ((1, np.exp(np.square(-x))), (0, np.exp(np.abs(-x)))):
         feed.put(tf.constant(x))
@@ -76,3 +84,25 @@ def test_the_generated_function_runs_the_taken_case():
         graph.function()
         np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()), expected,
                                    rtol=1e-6)
+
+
+def test_with_xla_the_compute_ops_run_as_one_compiled_cluster():
+    """Neg, Abs and Exp run inside XLA; the queues stay TF ops. Grappler's arithmetic
+    optimizer would otherwise fuse them into an unmarked ``_UnaryOpsComposition`` first."""
+    g, graph = graph_of(trace(5, "Abs", value=0.0), trace(5, "Abs", value=1.0), xla=True)
+    _, feed, fetch = feed_and_fetch(g, graph)
+    x = np.full((4, 3), 0.5, np.float32)
+    feed.put(tf.constant(x))
+    ctx = context.context()
+    ctx.enable_run_metadata()
+    try:
+        execute.execute(graph.fn_name, 0, graph.captures, graph.call_attrs, ctx)
+        metadata = ctx.export_run_metadata()
+    finally:
+        ctx.disable_run_metadata()
+    np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()),
+                               np.exp(np.abs(-x)), rtol=1e-6)
+    executed = list(itertools.chain.from_iterable(
+        [n.op for n in p.node] for f in metadata.function_graphs for p in f.partition_graphs))
+    assert executed.count("_XlaRun") == 1, executed
+    assert not {"Neg", "Abs", "Exp", "_UnaryOpsComposition"} & set(executed), executed

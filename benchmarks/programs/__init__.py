@@ -36,7 +36,8 @@ class Entry(NamedTuple):
     # (graph-level rewrites change rounding and the program amplifies it; see resnet50).
     compare_steps: int | None = None
     # Draws TF random numbers inside the step (dropout, noise). Under XLA the stateless random
-    # ops yield other numbers than TF's kernels, so XLA modes cannot match eager's losses.
+    # ops yield other numbers than TF's kernels, so AutoGraph+XLA cannot match eager's losses
+    # (Terra+XLA leaves random ops out of XLA's clusters).
     random: bool = False
     # Eager's own losses vary between runs (multi-threaded kernels whose reduction order
     # depends on timing): every mode of this program runs with TF's op determinism, which
