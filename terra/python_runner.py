@@ -38,7 +38,8 @@ _PLAIN = (int, float, bool, complex, np.ndarray, np.generic, str, bytes)
 class Mismatch(Exception):
     """The iteration left the path the graph was built for. ``category`` is what
     ``terra.explain()`` groups fallbacks by: new op, attribute change, new producer, value
-    change, shape change, new fetch point, unsupported, user exception, early end."""
+    change, shape change, new fetch point, unsupported, user exception, early end (and new
+    loop count, which the runtime tells apart with :meth:`PythonRunner.loop_trips_differ`)."""
 
     def __init__(self, reason: str, category: str = "new op"):
         super().__init__(reason)
@@ -344,6 +345,22 @@ class PythonRunner:
         i, step = found[0]
         self._take(cur, i)
         return step
+
+    def loop_trips_differ(self, issuing=True):
+        """Why the iteration leaves the path, if a loop is the cause: the op being issued
+        repeats its call stack more often than any trace did (more trips), or the recorded
+        path goes on with another trip where this iteration issued something else or ended
+        (``issuing=False``; fewer trips). None otherwise. Only on the way to a fallback."""
+        sid = self.sites.stack() if issuing else None
+        n = sum(1 for entry in self.it.log if entry[0].node.site[0] == sid)
+        seen = {s.node.site[1] for s in self.step_of.values() if s.node.site[0] == sid}
+        if n and seen and n not in seen:
+            return f"a loop ran {n + 1} trips, more than any trace"
+        if (n in seen or not issuing) and any(
+                s is not None and s.node.site[1] > 0 and s.node.site[0] != sid
+                for s in self.cur.next):
+            return "a loop ran fewer trips than the traces that went on here"
+        return None
 
     def _by_site(self, found):
         """Successors that fit alike (one helper called from two lines): the one recorded

@@ -368,6 +368,10 @@ class Runtime:
         self.fallbacks_in_a_row += 1
         if isinstance(why, Mismatch):
             category, reason = why.category, why.reason
+            loop = (runner.loop_trips_differ(issuing=category != "early end")
+                    if category in ("new op", "new producer", "early end") else None)
+            if loop is not None:
+                category, reason = "new loop count", f"{loop} ({reason})"
         else:
             category, reason = "graph error", str(why)
         self.events.append((f"fallback [{category}]", reason, user_location()))
@@ -509,9 +513,14 @@ def explain() -> str:
         lines.append(f"{what}{where}: {reason}")
     g = rt.tracegraph
     joins = [n for n in g.nodes if len(n.preds) > 1 and n is not g.end]
+    loops = g.loops()
     lines.append(f"TraceGraph: {len(g.nodes) - 2} nodes, {len(g.branch_points)} branch points, "
-                 f"{len(joins)} merge-back points, no loop nodes (a Python loop is unrolled: "
-                 "one node per trip, an exit after each trip count seen)")
+                 f"{len(joins)} merge-back points, {len(loops)} lines in Python loops (no loop "
+                 "nodes: a loop is unrolled, one node per trip, an exit after each trip count)")
+    lines.extend(f"  loop at {loc.file}:{loc.line} ({loc.func}): ran "
+                 f"{'|'.join(map(str, counts))} times per iteration" for loc, counts in loops[:8])
+    if len(loops) > 8:
+        lines.append(f"  ... and {len(loops) - 8} more lines in loops")
     if rt.graph is not None:
         lines.append("switch-cases (Algorithm 1; {first..last node} via control edges):")
         lines.extend(f"  {i}: {_format_switch_case(sc, channel)}"

@@ -280,6 +280,29 @@ class TraceGraph:
         self.end = TraceNode(next(self._ids), NodeKind.END)
         self.nodes = [self.start, self.end]
         self._by_key: dict[tuple, list[TraceNode]] = {}  # merge-back candidates
+        # user line -> how many times its ops ran per iteration, one entry per count seen:
+        # loops are unrolled (one node per trip), this says which lines repeat and how often
+        self.repeats: dict = {}
+
+    def _count_repeats(self, records):
+        """Note, per user line, how many times the ops issued there ran in this trace: the
+        largest occurrence of any call stack at that line (gradient bodies aside: they share
+        their call's site)."""
+        trips = {}
+        i = 0
+        while i < len(records):
+            rec = records[i]
+            if rec.kind == "op" and rec.site is not None and rec.location is not None:
+                trips[rec.location] = max(trips.get(rec.location, 0), rec.site[1] + 1)
+            i += 1 + (rec.body_len if rec.kind == "grad" else 0)
+        for location in self.repeats.keys() | trips.keys():
+            self.repeats.setdefault(location, set()).add(trips.get(location, 0))
+
+    def loops(self):
+        """``[(location, sorted counts)]`` of the lines that ran more than once in some
+        iteration: the bodies of Python loops, unrolled in the TraceGraph."""
+        return sorted((loc, sorted(counts)) for loc, counts in self.repeats.items()
+                      if max(counts) > 1)
 
     def _new_node(self, kind, rec):
         node = TraceNode(next(self._ids), kind, rec)
@@ -312,6 +335,7 @@ class TraceGraph:
         one unit: TF's backward pass visits ready ops in an order that can differ between
         iterations, so a region matches as a whole, order aside (:meth:`_match_body`), and
         the path follows the existing nodes' order. Nothing merges into a region's body."""
+        self._count_repeats(records)
         covered = True
         cur = self.start
         trace = _Matched()

@@ -225,9 +225,7 @@ def test_a_path_first_seen_late_falls_back_then_coexecutes():
     assert outcome.stats.phase == "coexecution", outcome.report()
     # explain() names the fallback's reason category and the user's line of the first op of
     # the new path (the layer call), and shows the branch point as a switch-case
-    lines, first = inspect.getsourcelines(late_path)
-    [offset] = [i for i, line in enumerate(lines) if "h = net.alt(h)" in line]
-    where = f"{os.path.basename(inspect.getsourcefile(late_path))}:{first + offset}"
+    where = source_line(late_path, "h = net.alt(h)")
     assert re.search(rf"fallback \[new producer\] at \S*{re.escape(where)}: ",
                      outcome.explain), outcome.report()
     assert re.search(r"\d+: \[tf.switch_case\] \{%\d+[^}]*\} via %\d+->%\d+ \| \{",
@@ -283,9 +281,43 @@ def rnn_varying_length(tape_cls, steps):
     return {"losses": losses, "grads": grads_per_step, "vars": [v.numpy() for v in variables]}
 
 
+def source_line(fn, text):
+    """``file:line`` of the line of ``fn`` containing ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    [offset] = [i for i, line in enumerate(lines) if text in line]
+    return f"{os.path.basename(inspect.getsourcefile(fn))}:{first + offset}"
+
+
 def test_rnn_unrolled_by_python_with_varying_trip_count_and_input_shape():
-    assert_same_as_eager(rnn_varying_length, 24, max_traces=4, expect_fallbacks=(0, 0),
-                         min_coexecuted=10)
+    outcome = assert_same_as_eager(rnn_varying_length, 24, max_traces=4,
+                                   expect_fallbacks=(0, 0), min_coexecuted=10)
+    # explain() names the loop body's line and the trip counts the traces took
+    where = re.escape(source_line(rnn_varying_length, "h, _ = cell("))
+    assert re.search(rf"loop at \S*{where} \(rnn_varying_length\): ran 3\|4\|5 times",
+                     outcome.explain), outcome.report()
+
+
+def shrinking_loop(tape_cls, steps):
+    """Three trips until step 10, two from then on: the recorded path goes on with a third
+    trip where the iteration has left the loop."""
+    def forward(net, x, step):
+        h = net.inp(x)
+        for _ in range(3 if step < 10 else 2):
+            h = net.shared(h) + h
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_a_loop_with_fewer_trips_falls_back_as_a_new_loop_count_then_coexecutes():
+    outcome = assert_same_as_eager(shrinking_loop, 16, max_traces=4, expect_fallbacks=(1, 1),
+                                   min_coexecuted=8)
+    assert outcome.stats.phase == "coexecution", outcome.report()
+    assert re.search(r"fallback \[new loop count\] at \S*: a loop ran fewer trips",
+                     outcome.explain), outcome.report()
+    where = re.escape(source_line(shrinking_loop, "h = net.shared(h) + h"))
+    assert re.search(rf"loop at \S*{where} \(forward\): ran 2\|3 times", outcome.explain), \
+        outcome.report()
 
 
 def growing_loop(tape_cls, steps):
@@ -307,3 +339,5 @@ def test_falling_back_at_every_graph_gives_up_and_runs_eagerly():
                                    expect_fallbacks=(limit, limit), min_coexecuted=0)
     assert outcome.stats.phase == "eager", outcome.report()
     assert f"{limit} fallbacks in a row" in outcome.explain, outcome.report()
+    # each fallback is told apart from other new paths: the loop ran one trip more
+    assert outcome.explain.count("fallback [new loop count]") == limit, outcome.report()
