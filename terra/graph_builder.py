@@ -158,12 +158,6 @@ def _snapshot_function(written):
     return def_function.function(snapshot, autograph=False).get_concrete_function()
 
 
-def _attr_protos(node):
-    types = opdefs.info(node.op_type).attr_types
-    return {name: opdefs.attr_value(types[name], value)
-            for name, value in node.attrs if name in types and value is not None}
-
-
 def _var_dtype(node):
     attrs = dict(node.attrs)
     return attrs.get("dtype", attrs.get("T"))
@@ -458,7 +452,8 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
                     t = dequeue(step.feed[i], last_fetch)
                 define(env, ("s", node, i), t)
                 inputs.append(t)
-            op = graph._create_op_internal(node.op_type, inputs, attrs=_attr_protos(node))
+            op = graph._create_op_internal(node.op_type, inputs,
+                                           attrs=opdefs.attr_protos(node.op_type, node.attrs))
             if xla:
                 if scope[0] is None:
                     scope[0] = f"{graph_name}_{next(segments)}".encode()

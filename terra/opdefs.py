@@ -151,3 +151,10 @@ def attr_value(kind: str, value) -> attr_value_pb2.AttrValue:
     else:
         raise TypeError(f"unsupported attr kind {kind!r}")
     return a
+
+
+def attr_protos(op_type, attrs):
+    """Recorded ``(name, value)`` attrs as the AttrValue protos ``Graph.create_op`` takes."""
+    types = info(op_type).attr_types
+    return {name: attr_value(types[name], value)
+            for name, value in attrs if name in types and value is not None}

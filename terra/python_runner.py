@@ -19,14 +19,14 @@ import weakref
 import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import cancellation, context
-from tensorflow.python.framework import constant_op, dtypes, ops
-from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.framework import constant_op, dtypes, errors, ops
+from tensorflow.python.ops import array_ops, resource_variable_ops
 from tensorflow.python.util import nest
 
 from terra import opdefs
 from terra.graph_builder import Step
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
-from terra.tracegraph import NodeKind, signature_part
+from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
 
 _EagerTensor = ops.EagerTensor
 _tape_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
@@ -550,6 +550,30 @@ class PythonRunner:
             entries.append(e)
         return outs, entries
 
+    def _inferred_specs(self, step, flat, key):
+        """Output specs for input shapes no trace had, from the op's shape function (TF's
+        graph-mode shape inference): the op is built in a scratch graph on placeholders of
+        those shapes, with the values of small inputs Python computed (a ``Reshape``'s
+        target shape). Where that leaves a dimension unknown, a Mismatch: only a trace can
+        tell."""
+        flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(a) for a in flat]
+        try:
+            with ops.Graph().as_default() as graph:
+                inputs = [constant_op.constant(a) if self.tensors.get(a._id) is None and
+                          a._num_elements() <= SMALL_CONST else
+                          array_ops.placeholder(a.dtype, shape)
+                          for a, shape in zip(flat, key, strict=True)]
+                op = graph._create_op_internal(
+                    step.op_type, inputs, attrs=opdefs.attr_protos(step.op_type, step.attrs))
+        except (ValueError, TypeError, errors.OpError) as e:  # the shape function rejects them
+            raise Mismatch(f"{step.op_type} called with new input shapes {key}: {e}",
+                           "shape change") from None
+        if not all(t.shape.is_fully_defined() for t in op.outputs):
+            raise Mismatch(f"{step.op_type} called with new input shapes {key}, for which "
+                           "its shape function gives no output shape", "shape change")
+        return tuple((tuple(t.shape.as_list()), dtype)
+                     for t, (_, dtype) in zip(op.outputs, step.out_specs, strict=True))
+
     def _result(self, node, out):
         step = self.step_of[node]
         outs, entries = self._new_outputs(step, (node.out_specs[out],), out)
@@ -565,7 +589,7 @@ class PythonRunner:
                         for a in flat)
             specs = step.node.sigs.get(key)
             if specs is None:
-                raise Mismatch(f"{step.op_type} called with new input shapes {key}", "shape change")
+                specs = step.node.sigs[key] = self._inferred_specs(step, flat, key)
         outs, entries = self._new_outputs(step, specs)
         if step.dynamic:  # data-dependent shapes: the real outputs, whatever their shapes (the
             # ops that read them look their shapes up by input shapes: _downstream)

@@ -564,6 +564,37 @@ def test_data_dependent_output_shape():
     assert outcome.stats.fallbacks <= len(set(counts[4:])), outcome.report()
 
 
+def masked_metric_program(tape_cls, steps):
+    """After each step, a metric over the rows a boolean mask selects: a new row count in
+    most steps, with ops after the mask (``Square``, ``Sum``, a ``Reshape`` to the count)
+    whose input shapes no trace had. No gradient flows through them."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 16, 20, 5)
+    model = mlp(20, (16,), 5)
+    optimizer = tf.keras.optimizers.SGD(0.1)
+    losses, metrics = [], []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(tf.square(logits))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        selected = tf.boolean_mask(logits, logits[:, 0] > 0)
+        per_row = tf.reshape(tf.reduce_sum(tf.square(selected), axis=1), (-1, 1))
+        losses.append(float(loss))
+        metrics.append(float(tf.reduce_sum(per_row)))
+    return {"losses": losses, "metrics": metrics, **state(model, optimizer)}
+
+
+def test_ops_after_a_new_data_dependent_shape_get_their_shapes_from_tf():
+    """Shapes no trace had are inferred with the ops' shape functions (TF's graph-mode shape
+    inference), so a new row count does not fall back."""
+    outcome = assert_same_as_eager(masked_metric_program, 2 * STEPS, expect_fallbacks=0,
+                                   max_traces=4, min_coexecuted=2 * STEPS - 6)
+    assert len(set(outcome.eager["metrics"])) > 4  # the premise: many row counts
+
+
 def test_lazy_mode_serializes_the_runners_with_the_same_numbers():
     """TERRA_LAZY=1: the graph of an iteration starts only when Python needs a value."""
     outcome = assert_same_as_eager(mlp_adam_program, STEPS, env={"TERRA_LAZY": "1"})
