@@ -39,7 +39,13 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context, def_function
 from tensorflow.python.framework import constant_op, dtypes, ops, tensor_util
-from tensorflow.python.ops import array_ops, control_flow_switch_case, gen_resource_variable_ops
+from tensorflow.python.ops import (
+    array_ops,
+    control_flow_switch_case,
+    gen_resource_variable_ops,
+    gradients_impl,
+)
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from terra import opdefs
 from terra.case_assignment import assign_cases
@@ -270,6 +276,30 @@ def _backward_feeds(step, fetched_shapes):
     return [s.feed[i] for s, i in feeds], table
 
 
+def _symbolic(step, place):
+    """Whether a gradient region is emitted as TF's symbolic gradient of the graph's forward
+    ops rather than as its recorded backward ops.
+
+    The recorded ops read values that gradient functions computed in Python from shapes
+    (``Tile`` multiples, the count a mean divides by, a ``Reshape`` target). Where those vary,
+    ``_backward_feeds`` can only feed the values of signatures a trace had; a shape that keeps
+    changing (a boolean mask's row count) would fall back at every new value. The symbolic
+    gradient runs the same gradient functions in graph mode, which compute those values from
+    the shapes at run time. It differentiates the graph rather than the tape, so it is taken
+    only where both agree (``TraceNode.taped``: the tape recorded every forward op between
+    the sources and the target) and the forward ops are emitted in the region's own
+    branch (``place``: a gradient through ``tf.switch_case`` outputs would rewrite its
+    branches, one inside a branch cannot reach through its captures);
+    and where Python feeds nothing the region reads (its inputs are validated, never fed)."""
+    node = step.node
+    if step.kind is not NodeKind.GRAD or not node.taped or not any(
+            slot.kind == "feed" for body_step in step.body for slot in body_step.slots):
+        return False
+    if any(slot.kind == "feed" for slot in step.slots):
+        return False
+    return all(place.get(producer) == place[node] for _, producer, _ in node.cone.values())
+
+
 def _shapes_vary(tracegraph):
     """Nodes whose input shapes may differ from every recorded signature: downstream of a
     feed or Python-run op whose shape varied, or of joined inputs of different shapes. The
@@ -354,6 +384,13 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
         steps[node].check_shapes = True
     planned = _switch_cases(tracegraph, start, steps)
     exports = _exports(planned, steps)
+    place = {}  # node -> the branch it is emitted in: (switch-case, case), None for the top
+    for j, (sc, channel, _) in enumerate(planned):
+        for c, case in enumerate(sc.cases):
+            for head in case.block:
+                for node in [head] + [b.node for b in steps[head].body]:
+                    place[node] = None if channel is None else (j, c)
+    symbolic = {node for node, step in steps.items() if _symbolic(step, place)}
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     phi_of = {}  # (node, out) or ("s", node, input) -> the phi slots it updates
@@ -379,6 +416,8 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
     with ops.init_scope():
         for step in steps.values():
             node = step.node
+            if step.owner.node in symbolic:
+                continue  # its backward ops are not emitted
             for i, slot in enumerate(step.slots):
                 if slot.kind == "feed" and step.kind == NodeKind.OP and not step.python:
                     step.feed[i] = Channel(slot.dtype, slot.shape)
@@ -430,6 +469,26 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
             for sid in phi_of.get(key[1:] if key[0] == "v" else key, ()):
                 env[("phi", sid)] = t
 
+        def slot_tensor(step, i, slot, env, last_fetch):
+            if slot.kind in ("node", "same"):
+                return env[_value_key(slot)]
+            if slot.kind in ("var", "capture"):
+                t = captured(slot.tensor)
+            elif slot.kind == "const":
+                t = constant_op.constant(slot.value, dtype=slot.dtype)
+            else:
+                t = dequeue(step.feed[i], last_fetch)
+            define(env, ("s", step.node, i), t)
+            return t
+
+        def for_xla(graph, n_ops):
+            """Mark the compute ops created since ``n_ops`` for XLA (section 3.12)."""
+            if scope[0] is None:
+                scope[0] = f"{graph_name}_{next(segments)}".encode()
+            for created in graph.get_operations()[n_ops:]:
+                if not created.type.startswith("Queue") and not _draws_random(created):
+                    _compile_with_xla(created, scope[0])
+
         def emit(step, env, last_fetch):
             node = step.node
             graph = ops.get_default_graph()
@@ -439,55 +498,78 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
                     if channel is not None:
                         define(env, ("v", node, k), dequeue(channel, last_fetch))
                 return
-            inputs = []
-            for i, slot in enumerate(step.slots):
-                if slot.kind in ("node", "same"):
-                    inputs.append(env[_value_key(slot)])
-                    continue
-                if slot.kind in ("var", "capture"):
-                    t = captured(slot.tensor)
-                elif slot.kind == "const":
-                    t = constant_op.constant(slot.value, dtype=slot.dtype)
-                else:
-                    t = dequeue(step.feed[i], last_fetch)
-                define(env, ("s", node, i), t)
-                inputs.append(t)
+            inputs = [slot_tensor(step, i, slot, env, last_fetch)
+                      for i, slot in enumerate(step.slots)]
             op = graph._create_op_internal(node.op_type, inputs,
                                            attrs=opdefs.attr_protos(node.op_type, node.attrs))
             if xla:
-                if scope[0] is None:
-                    scope[0] = f"{graph_name}_{next(segments)}".encode()
-                for created in graph.get_operations()[n_ops:]:
-                    if not created.type.startswith("Queue") and not _draws_random(created):
-                        _compile_with_xla(created, scope[0])
-            for k, t in enumerate(op.outputs):
-                define(env, ("v", node, k), t)
-                shape, dtype = step.out_specs[k]
-                if t.dtype.as_datatype_enum != dtype:
-                    raise AssertionError(f"{node.format()}: graph dtype {t.dtype} differs")
-                if not t.shape.is_fully_defined() and not step.check_shapes or \
-                        node.data_dependent:
-                    step.dynamic = True  # shape not implied by input shapes: data-dependent
+                for_xla(graph, n_ops)
             if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
                 for slot in step.slots:
                     if slot.kind == "var":
                         written.setdefault(slot.tensor._id, (slot.tensor, _var_dtype(node)))
             for k, t in enumerate(op.outputs):
-                wanted = (k in node.fetched or k in node.escaped
-                          or (node, k) in consumers_needing_value)
-                if wanted or step.dynamic and node not in unseen:
-                    value = tensor_util.constant_value(t) if wanted else None
-                    if value is not None:
-                        with ops.init_scope():
-                            step.static[k] = constant_op.constant(value)
-                    else:
-                        enqueue(step, k, t, last_fetch)
+                output(step, k, t, env, last_fetch)
+
+        def output(step, k, t, env, last_fetch):
+            """Output ``k`` of ``step`` is ``t``: what later ops read, and a fetch if Python
+            reads it (or needs its data-dependent shape)."""
+            node = step.node
+            define(env, ("v", node, k), t)
+            if t.dtype.as_datatype_enum != step.out_specs[k][1]:
+                raise AssertionError(f"{node.format()}: graph dtype {t.dtype} differs")
+            if not t.shape.is_fully_defined() and not step.check_shapes or node.data_dependent \
+                    or step.check_shapes and k == 0 and not _shape_fn_decides(node):
+                step.dynamic = True  # shape not implied by input shapes: data-dependent
+            wanted = (k in node.fetched or k in node.escaped
+                      or (node, k) in consumers_needing_value)
+            if wanted or step.dynamic and node not in unseen:
+                value = tensor_util.constant_value(t) if wanted else None
+                if value is not None:
+                    with ops.init_scope():
+                        step.static[k] = constant_op.constant(value)
+                else:
+                    enqueue(step, k, t, last_fetch)
+
+        def emit_gradient(step, env, last_fetch):
+            """A region whose backward ops read values that change with shapes: TF's symbolic
+            gradient of the graph's forward ops, whose gradient functions compute those
+            values from the shapes at run time (see _symbolic)."""
+            node = step.node
+            graph = ops.get_default_graph()
+            n_ops = len(graph.get_operations())
+            _, n_target, n_sources, no_output_gradients, unconnected = node.attrs
+            tensors = [slot_tensor(step, i, slot, env, last_fetch)
+                       for i, slot in enumerate(step.slots)]
+            grads = gradients_impl.gradients(
+                tensors[:n_target], tensors[n_target:n_target + n_sources],
+                None if no_output_gradients else tensors[n_target + n_sources:],
+                unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
+            if xla:
+                for_xla(graph, n_ops)
+            for result, g in zip(node.results, grads, strict=True):
+                parts = (None,) if g is None else (
+                    (g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))
+                if result is None or len(result) - 1 != len(parts):
+                    if result is None and g is None:
+                        continue
+                    raise NotImplementedError(f"{node.format()}: TF's symbolic gradient "
+                                              "differs in structure from the tape's")
+                for p, t in zip(result[1:], parts, strict=True):
+                    if (p is None) != (t is None):
+                        raise NotImplementedError(f"{node.format()}: TF's symbolic gradient "
+                                                  "differs in structure from the tape's")
+                    if p is not None:
+                        output(steps[p[0]], p[1], t, env, last_fetch)
 
         def emit_block(block, env, last_fetch):
             for head in block:
                 step = steps[head]
                 if step.kind is NodeKind.OP:
                     emit(step, env, last_fetch)
+                elif head in symbolic:
+                    emit_gradient(step, env, last_fetch)
+                    continue
                 for body_step in step.body:  # GRAD: the backward ops Python skips
                     emit(body_step, env, last_fetch)
 
@@ -532,8 +614,8 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
     fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}
     for node in _downstream(tracegraph, fetched_shapes):
         steps[node].check_shapes = True
-    for step in steps.values():
-        if step.kind is NodeKind.GRAD:
+    for node, step in steps.items():
+        if step.kind is NodeKind.GRAD and node not in symbolic:
             step.backward_feeds = _backward_feeds(step, fetched_shapes)
     off = ["constant_folding"] if varying or fetched_shapes else []
     if xla:
@@ -564,6 +646,35 @@ def _compile_with_xla(op, scope):
     op._set_attr("_XlaCompile", attr_value_pb2.AttrValue(b=True))
     op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=scope))
     op._set_attr("_XlaSeparateCompiledGradients", attr_value_pb2.AttrValue(b=False))
+
+
+def _shape_fn_decides(node):
+    """Whether the op's shape function gives its output shapes from input shapes alone (as
+    the PythonRunner infers them for shapes no trace had); not for ``NonMaxSuppression``,
+    ``Where``, ``Unique``: their outputs are fetched wherever shapes vary."""
+    if node.kind is not NodeKind.OP or not node.sigs:
+        return True
+    shapes = next(iter(node.sigs))
+    with ops.Graph().as_default() as graph:
+        inputs = [constant_op.constant(slot.value, dtype=slot.dtype) if slot.kind == "const"
+                  else array_ops.placeholder(_input_dtype(node, i), shape)
+                  for i, (slot, shape) in enumerate(zip(node.inputs, shapes, strict=True))]
+        op = graph._create_op_internal(node.op_type, inputs,
+                                       attrs=opdefs.attr_protos(node.op_type, node.attrs))
+    return all(t.shape.is_fully_defined() for t in op.outputs)
+
+
+def _input_dtype(node, i):
+    slot = node.inputs[i]
+    if slot.kind == "node":
+        producer, out = slot.alts[0]
+        return producer.out_specs[out][1]
+    if slot.kind == "same":
+        producer, k = slot.alts[0]
+        return producer.inputs[k].dtype
+    if slot.kind in ("var", "resource"):
+        return dtypes.resource
+    return slot.dtype
 
 
 def _placeholder(dtype, shape):

@@ -556,7 +556,9 @@ class PythonRunner:
         those shapes, with the values of small inputs Python computed (a ``Reshape``'s
         target shape). Where that leaves a dimension unknown, a Mismatch: only a trace can
         tell."""
-        flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(a) for a in flat]
+        flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(
+            a, None if slot.dtype is None else dtypes.as_dtype(slot.dtype))
+            for a, slot in zip(flat, step.slots, strict=True)]
         try:
             with ops.Graph().as_default() as graph:
                 inputs = [constant_op.constant(a) if self.tensors.get(a._id) is None and
@@ -588,7 +590,9 @@ class PythonRunner:
             key = tuple(a._shape_tuple() if type(a) is _EagerTensor else np.shape(a)
                         for a in flat)
             specs = step.node.sigs.get(key)
-            if specs is None:
+            if specs is None and step.dynamic:  # fetched: the stand-ins are never used
+                specs = step.out_specs
+            elif specs is None:
                 specs = step.node.sigs[key] = self._inferred_specs(step, flat, key)
         outs, entries = self._new_outputs(step, specs)
         if step.dynamic:  # data-dependent shapes: the real outputs, whatever their shapes (the

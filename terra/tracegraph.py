@@ -203,6 +203,10 @@ class TraceNode:
         # input): value} of the body's external inputs): backward ops compute shape-derived
         # values in Python; Terra feeds them by the iteration's signature
         self.observations = []
+        # GRAD: in every trace, the forward ops its sources reach its target through were
+        # recorded by its tape (see _taped): TF's symbolic gradient of the graph then
+        # differentiates what the tape did
+        self.taped = True
         self.fetched: set[int] = set()
         self.escaped: set[int] = set()
         self.seen = 0  # traces that went through this node
@@ -366,6 +370,7 @@ class TraceGraph:
             if rec.kind == "grad":
                 node.results = [_resolve_result(r, rec_nodes) for r in rec.results]
                 node.observations.append(_observation(records, i, rec_nodes))
+                node.taped = node.taped and _taped(records, i)
         if self.end not in cur.succs:
             covered = False
             self._link(cur, self.end)
@@ -573,6 +578,44 @@ def _cone(records, i, nodes):
                     seen.add(ref[1])
                     stack.append((nodes[ref[1]], records[ref[1]]))
     return cone
+
+
+def _taped(records, i):
+    """Whether every forward op that links a source of the gradient call at record ``i`` to
+    its target ran while the call's tape was recording: not before it was entered, not in
+    another gradient region (a gradient of gradients), not after the tape exited."""
+    rec = records[i]
+    n_target, n_sources = rec.attrs[1], rec.attrs[2]
+    sources = rec.inputs[n_target:n_target + n_sources]
+    handles = {id(r[1]) for r in sources if r[0] == "var"}
+    source_ops = {r[1] for r in sources if r[0] == "op"}
+    enter = max((j for j in range(i) if records[j].kind == "mark" and
+                 records[j].op_type == "enter" and records[j].attrs == rec.attrs[0]),
+                default=None)
+    exits = [j for j in range(enter or 0, i) if records[j].kind == "mark" and
+             records[j].op_type == "exit" and records[j].attrs == rec.attrs[0]]
+    if enter is None:
+        return False
+    window_end = exits[0] if exits else i
+    in_body = set()
+    for j in range(i):
+        if records[j].kind == "grad":
+            in_body.update(range(j + 1, j + 1 + records[j].body_len))
+    reached = []  # per record before the call: whether a source reaches it
+    for j in range(i):
+        reached.append(j in source_ops or any(
+            r[0] == "var" and id(r[1]) in handles or r[0] == "op" and reached[r[1]]
+            for r in records[j].inputs))
+    stack, seen = [r[1] for r in rec.inputs[:n_target] if r[0] == "op"], set()
+    while stack:
+        j = stack.pop()
+        if j in seen or j in source_ops:
+            continue
+        seen.add(j)
+        if reached[j] and (j < enter or j > window_end or j in in_body):
+            return False
+        stack.extend(r[1] for r in records[j].inputs if r[0] == "op")
+    return True
 
 
 def _resolve_result(r, rec_nodes):

@@ -17,7 +17,9 @@ def op(op_type, *inputs, shape=(4, 3), in_graph=True):
 
 
 def grad_head(body_len, *inputs):
-    rec = OpRecord("grad", "gradient", (), list(inputs), (), HERE)
+    """A ``tape.gradient(target, sources)`` call: ``inputs`` are the target and sources."""
+    attrs = ((), 1, len(inputs) - 1, True, "UnconnectedGradients.NONE")  # as the runtime's
+    rec = OpRecord("grad", "gradient", attrs, list(inputs), (), HERE)
     rec.body_len = body_len
     rec.results = [("t", ("op", 1 + body_len, 0))]
     return rec
