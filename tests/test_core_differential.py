@@ -532,6 +532,36 @@ def test_batch_size_changing_between_steps():
     assert "feed[float32 ?x20]" in outcome.explain, outcome.report()
 
 
+def read_before_the_tape_program(tape_cls, steps):
+    """The last layer's kernel is read before the tape that differentiates the loss opens (a
+    scale computed from it, in the same iteration: an outer tape is open) and again inside:
+    eager's gradient for it flows only through the read inside. With batches of varying size
+    the region's backward values vary, so Terra would emit the graph's symbolic gradient;
+    that one would also flow through the earlier read (a silently wrong gradient), so here
+    the recorded backward ops are kept."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    kernel = model.layers[-1].kernel
+    losses, grads_log = [], []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        if step % 2:
+            x, y = x[:12], y[:12]
+        with tape_cls():
+            scale = 1.0 + tf.reduce_mean(tf.square(kernel))
+            with tape_cls() as tape:
+                loss = loss_fn(y, model(x, training=True) * scale)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+        grads_log.append(grads)
+    return {"losses": losses, "grads": grads_log, **state(model, optimizer)}
+
+
+def test_a_variable_read_before_the_tape_gets_the_tapes_gradient():
+    assert_same_as_eager(read_before_the_tape_program, 12, expect_fallbacks=0,
+                         max_traces=4, min_coexecuted=6)
+
+
 def boolean_mask_program(tape_cls, steps):
     """A YOLO-style loss over the rows a boolean mask selects: the mask's row count depends on
     the data, so the op's output shape is only known once the graph has computed it."""
