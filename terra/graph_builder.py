@@ -26,7 +26,9 @@ leaves out what XLA cannot compile (queues, Python-run values, ``tf.switch_case`
 Random ops stay outside the clusters: XLA draws other numbers than TF's kernels for the same
 seed, and Terra must compute what eager computes. The scope changes at every fetch: a cluster
 never spans one, so Python does not wait for the whole cluster around a value it reads (the
-paper saw XLA delay Output Fetching on YOLOv3).
+paper saw XLA delay Output Fetching on YOLOv3). Ops whose input shapes vary between iterations
+are not marked: XLA compiles a cluster per input shape, and recompiling at every new shape
+made GPT2 and SDPoint 3-5x slower than without XLA.
 
 Alongside the function it emits the PythonRunner's plan: one :class:`Step` per node with
 everything the hot path needs precomputed (channels, output specs, static values, successors).
@@ -502,7 +504,7 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
                       for i, slot in enumerate(step.slots)]
             op = graph._create_op_internal(node.op_type, inputs,
                                            attrs=opdefs.attr_protos(node.op_type, node.attrs))
-            if xla:
+            if xla and not step.check_shapes:  # a new shape would recompile its cluster
                 for_xla(graph, n_ops)
             if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
                 for slot in step.slots:
@@ -545,7 +547,7 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
                 tensors[:n_target], tensors[n_target:n_target + n_sources],
                 None if no_output_gradients else tensors[n_target + n_sources:],
                 unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
-            if xla:
+            if xla and not any(steps[p].check_shapes for _, p, _ in node.cone.values()):
                 for_xla(graph, n_ops)
             for result, g in zip(node.results, grads, strict=True):
                 parts = (None,) if g is None else (
