@@ -651,14 +651,16 @@ def _compile_with_xla(op, scope):
 
 
 def _shape_fn_decides(node):
-    """Whether the op's shape function gives its output shapes from input shapes alone (as
-    the PythonRunner infers them for shapes no trace had); not for ``NonMaxSuppression``,
-    ``Where``, ``Unique``: their outputs are fetched wherever shapes vary."""
+    """Whether the op's shape function gives its output shapes from what the PythonRunner
+    knows (input shapes, and the values of small inputs Python computes), as it infers them
+    for shapes no trace had; not for ``NonMaxSuppression``, ``Where``, ``Unique``: their
+    outputs are fetched wherever shapes vary."""
     if node.kind is not NodeKind.OP or not node.sigs:
         return True
     shapes = next(iter(node.sigs))
     with ops.Graph().as_default() as graph:
-        inputs = [constant_op.constant(slot.value, dtype=slot.dtype) if slot.kind == "const"
+        inputs = [constant_op.constant(slot.value, dtype=slot.dtype)
+                  if slot.kind in ("const", "feed") and slot.value is not None
                   else array_ops.placeholder(_input_dtype(node, i), shape)
                   for i, (slot, shape) in enumerate(zip(node.inputs, shapes, strict=True))]
         op = graph._create_op_internal(node.op_type, inputs,

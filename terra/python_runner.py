@@ -552,19 +552,20 @@ class PythonRunner:
 
     def _inferred_specs(self, step, flat, key):
         """Output specs for input shapes no trace had, from the op's shape function (TF's
-        graph-mode shape inference): the op is built in a scratch graph on placeholders of
-        those shapes, with the values of small inputs Python computed (a ``Reshape``'s
-        target shape). Where that leaves a dimension unknown, a Mismatch: only a trace can
-        tell."""
+        graph-mode shape inference), and whether they hold for every call with these input
+        shapes. The op is built in a scratch graph on placeholders of those shapes, with the
+        values of small inputs Python computed (a ``Reshape``'s target shape): where such a
+        value is fed, it can differ next time, so the specs are not kept. Where the shape
+        function leaves a dimension unknown, a Mismatch: only a trace can tell."""
         flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(
             a, None if slot.dtype is None else dtypes.as_dtype(slot.dtype))
             for a, slot in zip(flat, step.slots, strict=True)]
+        known = [self.tensors.get(a._id) is None and a._num_elements() <= SMALL_CONST
+                 for a in flat]
         try:
             with ops.Graph().as_default() as graph:
-                inputs = [constant_op.constant(a) if self.tensors.get(a._id) is None and
-                          a._num_elements() <= SMALL_CONST else
-                          array_ops.placeholder(a.dtype, shape)
-                          for a, shape in zip(flat, key, strict=True)]
+                inputs = [constant_op.constant(a) if k else array_ops.placeholder(a.dtype, shape)
+                          for a, k, shape in zip(flat, known, key, strict=True)]
                 op = graph._create_op_internal(
                     step.op_type, inputs, attrs=opdefs.attr_protos(step.op_type, step.attrs))
         except (ValueError, TypeError, errors.OpError) as e:  # the shape function rejects them
@@ -573,8 +574,9 @@ class PythonRunner:
         if not all(t.shape.is_fully_defined() for t in op.outputs):
             raise Mismatch(f"{step.op_type} called with new input shapes {key}, for which "
                            "its shape function gives no output shape", "shape change")
-        return tuple((tuple(t.shape.as_list()), dtype)
-                     for t, (_, dtype) in zip(op.outputs, step.out_specs, strict=True))
+        specs = tuple((tuple(t.shape.as_list()), dtype)
+                      for t, (_, dtype) in zip(op.outputs, step.out_specs, strict=True))
+        return specs, all(slot.kind == "const" for slot, k in zip(step.slots, known) if k)
 
     def _result(self, node, out):
         step = self.step_of[node]
@@ -593,7 +595,9 @@ class PythonRunner:
             if specs is None and step.dynamic:  # fetched: the stand-ins are never used
                 specs = step.out_specs
             elif specs is None:
-                specs = step.node.sigs[key] = self._inferred_specs(step, flat, key)
+                specs, always = self._inferred_specs(step, flat, key)
+                if always:
+                    step.node.sigs[key] = specs
         outs, entries = self._new_outputs(step, specs)
         if step.dynamic:  # data-dependent shapes: the real outputs, whatever their shapes (the
             # ops that read them look their shapes up by input shapes: _downstream)
