@@ -40,7 +40,7 @@ import itertools
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context, def_function
-from tensorflow.python.framework import constant_op, dtypes, ops, tensor_util
+from tensorflow.python.framework import constant_op, dtypes, errors, ops, tensor_util
 from tensorflow.python.ops import (
     array_ops,
     control_flow_switch_case,
@@ -658,27 +658,32 @@ def _shape_fn_decides(node):
     if node.kind is not NodeKind.OP or not node.sigs:
         return True
     shapes = next(iter(node.sigs))
-    with ops.Graph().as_default() as graph:
-        inputs = [constant_op.constant(slot.value, dtype=slot.dtype)
-                  if slot.kind in ("const", "feed") and slot.value is not None
-                  else array_ops.placeholder(_input_dtype(node, i), shape)
-                  for i, (slot, shape) in enumerate(zip(node.inputs, shapes, strict=True))]
-        op = graph._create_op_internal(node.op_type, inputs,
-                                       attrs=opdefs.attr_protos(node.op_type, node.attrs))
+    try:
+        with ops.Graph().as_default() as graph:
+            inputs = [_scratch_input(node, i, shape) for i, shape in enumerate(shapes)]
+            op = graph._create_op_internal(
+                node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
+    except (ValueError, TypeError, errors.OpError):
+        return True  # the runner's inference fails alike: a new shape falls back, as before
     return all(t.shape.is_fully_defined() for t in op.outputs)
 
 
-def _input_dtype(node, i):
+def _scratch_input(node, i, shape):
+    """Input ``i`` of ``node`` in a scratch graph, as the PythonRunner knows it."""
     slot = node.inputs[i]
+    if slot.kind in ("const", "feed") and slot.value is not None:
+        return constant_op.constant(slot.value, dtype=slot.dtype)
     if slot.kind == "node":
         producer, out = slot.alts[0]
-        return producer.out_specs[out][1]
-    if slot.kind == "same":
+        dtype = producer.out_specs[out][1]
+    elif slot.kind == "same":
         producer, k = slot.alts[0]
-        return producer.inputs[k].dtype
-    if slot.kind in ("var", "resource"):
-        return dtypes.resource
-    return slot.dtype
+        dtype = producer.inputs[k].dtype
+    elif slot.kind == "var":  # the variable's shape rides on its handle
+        return opdefs.scratch_handle(slot.tensor)
+    else:
+        dtype = dtypes.resource if slot.kind == "resource" else slot.dtype
+    return array_ops.placeholder(dtype, shape)
 
 
 def _placeholder(dtype, shape):

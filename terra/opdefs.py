@@ -9,6 +9,7 @@ import functools
 
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python.framework import dtypes, op_def_registry, tensor_shape, tensor_util
+from tensorflow.python.ops import array_ops, handle_data_util
 
 # Stateful ops that act on variables stay in the symbolic graph (paper §3.3.1): automatic
 # control dependencies order them per resource, and the iteration-start snapshot makes
@@ -158,3 +159,12 @@ def attr_protos(op_type, attrs):
     types = info(op_type).attr_types
     return {name: attr_value(types[name], value)
             for name, value in attrs if name in types and value is not None}
+
+
+def scratch_handle(handle):
+    """A placeholder for an eager resource ``handle`` in the current (scratch) graph, with the
+    handle's shape and dtype data, so shape functions of ops reading it see the variable's
+    shape."""
+    placeholder = array_ops.placeholder(dtypes.resource, ())
+    handle_data_util.copy_handle_data(handle, placeholder)
+    return placeholder

@@ -560,11 +560,13 @@ class PythonRunner:
         flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(
             a, None if slot.dtype is None else dtypes.as_dtype(slot.dtype))
             for a, slot in zip(flat, step.slots, strict=True)]
-        known = [self.tensors.get(a._id) is None and a._num_elements() <= SMALL_CONST
-                 for a in flat]
+        known = [self.tensors.get(a._id) is None and a._num_elements() <= SMALL_CONST and
+                 a.dtype != dtypes.resource for a in flat]
         try:
             with ops.Graph().as_default() as graph:
-                inputs = [constant_op.constant(a) if k else array_ops.placeholder(a.dtype, shape)
+                inputs = [constant_op.constant(a) if k else
+                          opdefs.scratch_handle(a) if a.dtype == dtypes.resource else
+                          array_ops.placeholder(a.dtype, shape)
                           for a, k, shape in zip(flat, known, key, strict=True)]
                 op = graph._create_op_internal(
                     step.op_type, inputs, attrs=opdefs.attr_protos(step.op_type, step.attrs))
