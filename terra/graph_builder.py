@@ -278,7 +278,7 @@ def _backward_feeds(step, fetched_shapes):
     return [s.feed[i] for s, i in feeds], table
 
 
-def _symbolic(step, place):
+def _symbolic(step, in_branch):
     """Whether a gradient region is emitted as TF's symbolic gradient of the graph's forward
     ops rather than as its recorded backward ops.
 
@@ -289,17 +289,19 @@ def _symbolic(step, place):
     gradient runs the same gradient functions in graph mode, which compute those values from
     the shapes at run time. It differentiates the graph rather than the tape, so it is taken
     only where both agree (``TraceNode.taped``: the tape recorded every forward op between
-    the sources and the target) and the forward ops are emitted in the region's own
-    branch (``place``: a gradient through ``tf.switch_case`` outputs would rewrite its
-    branches, one inside a branch cannot reach through its captures);
-    and where Python feeds nothing the region reads (its inputs are validated, never fed)."""
+    the sources and the target) and the region and its forward ops are emitted outside any
+    ``tf.switch_case`` (``in_branch``: a gradient through a switch-case's outputs would rewrite
+    its branches, and inside a branch the sources would have to be mapped to the branch's
+    captures, which is not built); and where Python feeds nothing the region reads (its
+    inputs are validated, never fed)."""
     node = step.node
     if step.kind is not NodeKind.GRAD or not node.taped or not any(
             slot.kind == "feed" for body_step in step.body for slot in body_step.slots):
         return False
     if any(slot.kind == "feed" for slot in step.slots):
         return False
-    return all(place.get(producer) == place[node] for _, producer, _ in node.cone.values())
+    return node not in in_branch and not any(
+        producer in in_branch for _, producer, _ in node.cone.values())
 
 
 def _shapes_vary(tracegraph):
@@ -386,13 +388,10 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
         steps[node].check_shapes = True
     planned = _switch_cases(tracegraph, start, steps)
     exports = _exports(planned, steps)
-    place = {}  # node -> the branch it is emitted in: (switch-case, case), None for the top
-    for j, (sc, channel, _) in enumerate(planned):
-        for c, case in enumerate(sc.cases):
-            for head in case.block:
-                for node in [head] + [b.node for b in steps[head].body]:
-                    place[node] = None if channel is None else (j, c)
-    symbolic = {node for node, step in steps.items() if _symbolic(step, place)}
+    in_branch = {node for sc, channel, _ in planned if channel is not None
+                 for case in sc.cases for head in case.block
+                 for node in [head] + [b.node for b in steps[head].body]}
+    symbolic = {node for node, step in steps.items() if _symbolic(step, in_branch)}
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     phi_of = {}  # (node, out) or ("s", node, input) -> the phi slots it updates
