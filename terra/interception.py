@@ -2,7 +2,8 @@
 
 ``pywrap_tfe.TFE_Py_FastPathExecute`` (generated op wrappers) and ``execute.execute`` (their
 slow-path fallbacks and function calls) are module attributes looked up at call time, so
-wrapping them sees every op except C++-internal constant conversion. While a handler is set,
+wrapping them sees every op except C++-internal constant conversion. ``record.record_operation``
+is wrapped the same way, to hear of custom gradients. While a handler is set,
 ops issued by the owning thread go to it; everything else (other threads, Terra's own queue
 ops, which call ``quick_execute`` directly) passes straight through.
 
@@ -15,10 +16,11 @@ import contextlib
 import threading
 
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import execute
+from tensorflow.python.eager import execute, record
 
 ORIGINAL_FAST = pywrap_tfe.TFE_Py_FastPathExecute
 ORIGINAL_SLOW = execute.execute_with_callbacks
+ORIGINAL_RECORD = record.record_operation
 
 _handler = None
 _owner = None
@@ -39,9 +41,22 @@ def _slow(op_type, num_outputs, inputs, attrs, ctx, name=None):
     return h.slow(op_type, num_outputs, inputs, attrs, ctx, name)
 
 
+def _record(op_type, output_tensors, input_tensors, backward_function,
+            forward_function=None):
+    """``tf.custom_gradient`` (and ``recompute_grad``) put their own backward function on the
+    tapes for tensors ops already produced: the handler hears of it (the graph's own gradient
+    of those ops is then not the tape's)."""
+    h = _handler
+    if h is not None and _get_ident() == _owner:
+        h.custom_gradient()
+    return ORIGINAL_RECORD(op_type, output_tensors, input_tensors, backward_function,
+                           forward_function)
+
+
 def install():
     pywrap_tfe.TFE_Py_FastPathExecute = _fast
     execute.execute = _slow
+    record.record_operation = _record
 
 
 def uninstall():
@@ -49,6 +64,7 @@ def uninstall():
     _handler = None
     pywrap_tfe.TFE_Py_FastPathExecute = ORIGINAL_FAST
     execute.execute = execute.quick_execute
+    record.record_operation = ORIGINAL_RECORD
 
 
 def set_handler(handler):

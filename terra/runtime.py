@@ -81,6 +81,10 @@ class TracingDoor:
     def fast(self, ctx, op_type, name, args):
         return interception.ORIGINAL_FAST(ctx, op_type, name, *[self._arg(a) for a in args])
 
+    def custom_gradient(self):
+        if self.runtime.recorder is not None:
+            self.runtime.recorder.custom_gradients += 1
+
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         # The generated op wrapper records the gradient after this returns, with the very
         # list it passed here: swap in place, or the tape would record the stand-in as the
@@ -121,6 +125,9 @@ class CoexecDoor:
         fallback_lib.watch_read(rt.open_tapes, opdefs.op_name(op_type),
                                 inputs[0] if inputs else None)
         return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
+
+    def custom_gradient(self):
+        """No tape records in co-execution (gradient regions are skipped): nothing to note."""
 
 
 class Runtime:

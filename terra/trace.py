@@ -32,7 +32,7 @@ class OpRecord:
     """One recorded step of an iteration: an op, a mark, or the head of a gradient region."""
 
     __slots__ = ("kind", "op_type", "attrs", "inputs", "out_specs", "location", "site",
-                 "in_graph", "body_len", "results", "fetched", "escaped")
+                 "in_graph", "body_len", "results", "fetched", "escaped", "after_custom")
 
     def __init__(self, kind, op_type, attrs, inputs, out_specs, location, in_graph=False,
                  site=None):
@@ -46,6 +46,8 @@ class OpRecord:
         self.in_graph = in_graph
         self.body_len = 0
         self.results = None  # grad: per source leaf None | ("t", ref) | ("is", v, i, s)
+        # grad: a custom gradient was put on the tapes earlier in the iteration
+        self.after_custom = False
         self.fetched = set()
         self.escaped = set()
 
@@ -85,6 +87,7 @@ class Recorder:
         self.sites = sites
         self.override = None  # replay: (location, site) of the original op
         self.region_site = None  # inside a gradient region: the site of its head
+        self.custom_gradients = 0  # tf.custom_gradient functions run (interception._record)
 
     # -- refs ---------------------------------------------------------------------------
     def ref(self, t):
@@ -157,6 +160,7 @@ class Recorder:
         location, site = self._where()
         rec = OpRecord("grad", "gradient", attrs, [self.ref(t) for t in tensors], (), location,
                        site=site)
+        rec.after_custom = self.custom_gradients > 0
         self.records.append(rec)
         self.region_site = site
         return len(self.records) - 1

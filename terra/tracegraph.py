@@ -583,8 +583,11 @@ def _cone(records, i, nodes):
 def _taped(records, i):
     """Whether every forward op that links a source of the gradient call at record ``i`` to
     its target ran while the call's tape was recording: not before it was entered, not in
-    another gradient region (a gradient of gradients), not after the tape exited."""
+    another gradient region (a gradient of gradients), not after the tape exited; and no
+    custom gradient (``tf.custom_gradient``) was put on the tapes before the call."""
     rec = records[i]
+    if rec.after_custom:  # the tape holds a backward function the graph's ops do not have
+        return False
     n_target, n_sources = rec.attrs[1], rec.attrs[2]
     sources = rec.inputs[n_target:n_target + n_sources]
     handles = {id(r[1]) for r in sources if r[0] == "var"}

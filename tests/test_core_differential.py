@@ -562,6 +562,36 @@ def test_a_variable_read_before_the_tape_gets_the_tapes_gradient():
                          max_traces=4, min_coexecuted=6)
 
 
+@tf.custom_gradient
+def clip_gradient(x):
+    """Identity forward; the backward clips the incoming gradient."""
+    return tf.identity(x), lambda dy: tf.clip_by_value(dy, -1e-3, 1e-3)
+
+
+def custom_gradient_program(tape_cls, steps):
+    """A ``tf.custom_gradient`` in the forward pass, with batches of varying size: the graph's
+    own gradient of the recorded ops (an Identity) is not the tape's (a clip), so the region
+    keeps its recorded backward ops."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    losses, grads_log = [], []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        if step % 2:
+            x, y = x[:12], y[:12]
+        with tape_cls() as tape:
+            loss = loss_fn(y, clip_gradient(model(x, training=True)))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+        grads_log.append(grads)
+    return {"losses": losses, "grads": grads_log, **state(model, optimizer)}
+
+
+def test_a_custom_gradient_is_the_tapes():
+    assert_same_as_eager(custom_gradient_program, 12, expect_fallbacks=0, max_traces=4,
+                         min_coexecuted=6)
+
+
 def boolean_mask_program(tape_cls, steps):
     """A YOLO-style loss over the rows a boolean mask selects: the mask's row count depends on
     the data, so the op's output shape is only known once the graph has computed it."""
