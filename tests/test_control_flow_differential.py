@@ -234,18 +234,23 @@ def test_a_path_first_seen_late_falls_back_then_coexecutes():
     assert len(re.findall(r"^%\d+ = Squeeze", outcome.explain, re.M)) == 1, outcome.report()
 
 
-def shared_layer_repeated(tape_cls, steps):
-    """The shared layer runs 1 to 4 times, as many as a Python schedule says for this step:
-    the same variables are read by a different number of ops each time."""
-    schedule = [1, 3, 2, 4]
+def shared_layer_looped(trips):
+    """A program whose forward pass applies the shared layer ``trips(step)`` times."""
+    def program(tape_cls, steps):
+        def forward(net, x, step):
+            h = net.inp(x)
+            for _ in range(trips(step)):
+                h = net.shared(h) + h
+            return net.out(h)
 
-    def forward(net, x, step):
-        h = net.inp(x)
-        for _ in range(schedule[step % len(schedule)]):
-            h = net.shared(h) + h
-        return net.out(h)
+        return train(tape_cls, steps, forward)
 
-    return train(tape_cls, steps, forward)
+    return program
+
+
+# The shared layer runs 1 to 4 times, as many as a Python schedule says for this step: the
+# same variables are read by a different number of ops each time.
+shared_layer_repeated = shared_layer_looped(lambda step: [1, 3, 2, 4][step % 4])
 
 
 def test_a_shared_layer_applied_a_varying_number_of_times():
@@ -297,16 +302,9 @@ def test_rnn_unrolled_by_python_with_varying_trip_count_and_input_shape():
                      outcome.explain), outcome.report()
 
 
-def shrinking_loop(tape_cls, steps):
-    """Three trips until step 10, two from then on: the recorded path goes on with a third
-    trip where the iteration has left the loop."""
-    def forward(net, x, step):
-        h = net.inp(x)
-        for _ in range(3 if step < 10 else 2):
-            h = net.shared(h) + h
-        return net.out(h)
-
-    return train(tape_cls, steps, forward)
+# Three trips until step 10, two from then on: the recorded path goes on with a third trip
+# where the iteration has left the loop.
+shrinking_loop = shared_layer_looped(lambda step: 3 if step < 10 else 2)
 
 
 def test_a_loop_with_fewer_trips_falls_back_as_a_new_loop_count_then_coexecutes():
@@ -315,22 +313,15 @@ def test_a_loop_with_fewer_trips_falls_back_as_a_new_loop_count_then_coexecutes(
     assert outcome.stats.phase == "coexecution", outcome.report()
     assert re.search(r"fallback \[new loop count\] at \S*: a loop ran fewer trips",
                      outcome.explain), outcome.report()
-    where = re.escape(source_line(shrinking_loop, "h = net.shared(h) + h"))
+    where = re.escape(source_line(shared_layer_looped, "h = net.shared(h) + h"))
     assert re.search(rf"loop at \S*{where} \(forward\): ran 2\|3 times", outcome.explain), \
         outcome.report()
 
 
-def growing_loop(tape_cls, steps):
-    """A loop one trip longer every other step: each new trip count arrives in co-execution,
-    falls back, is traced once more, and the graph is regenerated; no iteration ever completes
-    in a graph."""
-    def forward(net, x, step):
-        h = net.inp(x)
-        for _ in range(step // 2 + 1):
-            h = net.shared(h) + h
-        return net.out(h)
-
-    return train(tape_cls, steps, forward)
+# A loop one trip longer every other step: each new trip count arrives in co-execution, falls
+# back, is traced once more, and the graph is regenerated; no iteration ever completes in a
+# graph.
+growing_loop = shared_layer_looped(lambda step: step // 2 + 1)
 
 
 def test_falling_back_at_every_graph_gives_up_and_runs_eagerly():

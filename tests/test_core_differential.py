@@ -503,18 +503,20 @@ def test_stateful_random_ops_and_dropout():
 # ------------------------------------------------------------------------------------ shapes
 
 
-def varying_batch_program(tape_cls, steps):
-    """Batches of 16 and 12 rows in turn (a partial last batch, every other step): the graph
-    is built with the batch dimension relaxed, and the PythonRunner checks each op's shapes
-    against those seen."""
+def batch_16_or_12(data, step):
+    """Batches of 16 and 12 rows in turn (a partial last batch, every other step)."""
+    x, y = batch(data, step, 16)
+    return (x[:12], y[:12]) if step % 2 else (x, y)
+
+
+def varying_batch_training(tape_cls, steps, forward):
+    """The MLP task on batches of 16 and 12 rows in turn; ``forward(tape_cls, model, x, y,
+    loss_fn)`` opens the tape(s) and returns ``(tape, loss)``."""
     data, model, optimizer, loss_fn = mlp_task(steps)
     losses, grads_log = [], []
     for step in range(steps):
-        x, y = batch(data, step, 16)
-        if step % 2:
-            x, y = x[:12], y[:12]
-        with tape_cls() as tape:
-            loss = loss_fn(y, model(x, training=True))
+        x, y = batch_16_or_12(data, step)
+        tape, loss = forward(tape_cls, model, x, y, loss_fn)
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         losses.append(float(loss))
@@ -522,11 +524,24 @@ def varying_batch_program(tape_cls, steps):
     return {"losses": losses, "grads": grads_log, **state(model, optimizer)}
 
 
+def varying_batch_program(tape_cls, steps):
+    """Batches of 16 and 12 rows in turn (a partial last batch, every other step): the graph
+    is built with the batch dimension relaxed, and the PythonRunner checks each op's shapes
+    against those seen."""
+    def forward(tape_cls, model, x, y, loss_fn):
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return tape, loss
+
+    return varying_batch_training(tape_cls, steps, forward)
+
+
 def test_batch_size_changing_between_steps():
     """The eager backward pass computes shape-derived values in Python (``Tile`` multiples,
     the count a mean divides by): backward ops read values that change with the batch size.
-    The PythonRunner skips that code, so it feeds the values the traces saw, looked up by the
-    shapes fed in the iteration; both batch sizes then co-execute."""
+    The PythonRunner skips that code; the graph computes them in TF's symbolic gradient, so
+    both batch sizes co-execute. (The two tests below keep the recorded backward ops, whose
+    values are fed by the iteration's signature.)"""
     outcome = assert_same_as_eager(varying_batch_program, 12, expect_fallbacks=0,
                                    max_traces=4, min_coexecuted=6)
     assert "feed[float32 ?x20]" in outcome.explain, outcome.report()
@@ -539,22 +554,14 @@ def read_before_the_tape_program(tape_cls, steps):
     the region's backward values vary, so Terra would emit the graph's symbolic gradient;
     that one would also flow through the earlier read (a silently wrong gradient), so here
     the recorded backward ops are kept."""
-    data, model, optimizer, loss_fn = mlp_task(steps)
-    kernel = model.layers[-1].kernel
-    losses, grads_log = [], []
-    for step in range(steps):
-        x, y = batch(data, step, 16)
-        if step % 2:
-            x, y = x[:12], y[:12]
+    def forward(tape_cls, model, x, y, loss_fn):
         with tape_cls():
-            scale = 1.0 + tf.reduce_mean(tf.square(kernel))
+            scale = 1.0 + tf.reduce_mean(tf.square(model.layers[-1].kernel))
             with tape_cls() as tape:
                 loss = loss_fn(y, model(x, training=True) * scale)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        losses.append(float(loss))
-        grads_log.append(grads)
-    return {"losses": losses, "grads": grads_log, **state(model, optimizer)}
+        return tape, loss
+
+    return varying_batch_training(tape_cls, steps, forward)
 
 
 def test_a_variable_read_before_the_tape_gets_the_tapes_gradient():
@@ -572,19 +579,12 @@ def custom_gradient_program(tape_cls, steps):
     """A ``tf.custom_gradient`` in the forward pass, with batches of varying size: the graph's
     own gradient of the recorded ops (an Identity) is not the tape's (a clip), so the region
     keeps its recorded backward ops."""
-    data, model, optimizer, loss_fn = mlp_task(steps)
-    losses, grads_log = [], []
-    for step in range(steps):
-        x, y = batch(data, step, 16)
-        if step % 2:
-            x, y = x[:12], y[:12]
+    def forward(tape_cls, model, x, y, loss_fn):
         with tape_cls() as tape:
             loss = loss_fn(y, clip_gradient(model(x, training=True)))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        losses.append(float(loss))
-        grads_log.append(grads)
-    return {"losses": losses, "grads": grads_log, **state(model, optimizer)}
+        return tape, loss
+
+    return varying_batch_training(tape_cls, steps, forward)
 
 
 def test_a_custom_gradient_is_the_tapes():
@@ -595,10 +595,7 @@ def test_a_custom_gradient_is_the_tapes():
 def boolean_mask_program(tape_cls, steps):
     """A YOLO-style loss over the rows a boolean mask selects: the mask's row count depends on
     the data, so the op's output shape is only known once the graph has computed it."""
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model = mlp(20, (16,), 5)
-    optimizer = tf.keras.optimizers.SGD(0.1)
+    data, model, optimizer, _ = mlp_task(steps, tf.keras.optimizers.SGD(0.1))
     losses, counts = [], []
     for step in range(steps):
         x, y = batch(data, step, 16)
@@ -628,10 +625,7 @@ def masked_metric_program(tape_cls, steps):
     """After each step, a metric over the rows a boolean mask selects: a new row count in
     most steps, with ops after the mask (``Square``, ``Sum``, a ``Reshape`` to the count)
     whose input shapes no trace had. No gradient flows through them."""
-    tf.keras.utils.set_random_seed(0)
-    data = classification_data(steps * 16, 20, 5)
-    model = mlp(20, (16,), 5)
-    optimizer = tf.keras.optimizers.SGD(0.1)
+    data, model, optimizer, _ = mlp_task(steps, tf.keras.optimizers.SGD(0.1))
     losses, metrics = [], []
     for step in range(steps):
         x, y = batch(data, step, 16)
