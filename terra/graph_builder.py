@@ -378,9 +378,19 @@ def _exports(planned, steps):
     return [list(e) for e in exports]
 
 
-def generate(tracegraph, xla=False) -> SymbolicGraph:
+class _NotSymbolic(Exception):
+    """TF's symbolic gradient of a region does not stand for its tape's: emit its recorded
+    backward ops instead."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.node = node
+
+
+def generate(tracegraph, xla=False, recorded=frozenset()) -> SymbolicGraph:
     """Build the symbolic graph for every path of the TraceGraph (its compute ops compiled
-    with XLA if ``xla``)."""
+    with XLA if ``xla``). ``recorded``: gradient regions emitted as their recorded backward
+    ops even where ``_symbolic`` would take TF's symbolic gradient (it failed for them)."""
     graph_name = f"terra_step_{next(_names)}"
     start, steps = _plan(tracegraph)
     varying = _shapes_vary(tracegraph)
@@ -391,7 +401,8 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
     in_branch = {node for sc, channel, _ in planned if channel is not None
                  for case in sc.cases for head in case.block
                  for node in [head] + [b.node for b in steps[head].body]}
-    symbolic = {node for node, step in steps.items() if _symbolic(step, in_branch)}
+    symbolic = {node for node, step in steps.items()
+                if node not in recorded and _symbolic(step, in_branch)}
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     phi_of = {}  # (node, out) or ("s", node, input) -> the phi slots it updates
@@ -542,24 +553,24 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
             _, n_target, n_sources, no_output_gradients, unconnected = node.attrs
             tensors = [slot_tensor(step, i, slot, env, last_fetch)
                        for i, slot in enumerate(step.slots)]
-            grads = gradients_impl.gradients(
-                tensors[:n_target], tensors[n_target:n_target + n_sources],
-                None if no_output_gradients else tensors[n_target + n_sources:],
-                unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
+            try:
+                grads = gradients_impl.gradients(
+                    tensors[:n_target], tensors[n_target:n_target + n_sources],
+                    None if no_output_gradients else tensors[n_target + n_sources:],
+                    unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
+            except (LookupError, ValueError, TypeError) as e:  # e.g. an op with no gradient
+                raise _NotSymbolic(node) from e
             if xla and not any(steps[p].check_shapes for _, p, _ in node.cone.values()):
                 for_xla(graph, n_ops)
             for result, g in zip(node.results, grads, strict=True):
                 parts = (None,) if g is None else (
                     (g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))
-                if result is None or len(result) - 1 != len(parts):
-                    if result is None and g is None:
-                        continue
-                    raise NotImplementedError(f"{node.format()}: TF's symbolic gradient "
-                                              "differs in structure from the tape's")
+                if result is None and g is None:
+                    continue
+                if result is None or len(result) - 1 != len(parts) or any(
+                        (p is None) != (t is None) for p, t in zip(result[1:], parts)):
+                    raise _NotSymbolic(node)  # structured unlike the tape's gradient
                 for p, t in zip(result[1:], parts, strict=True):
-                    if (p is None) != (t is None):
-                        raise NotImplementedError(f"{node.format()}: TF's symbolic gradient "
-                                                  "differs in structure from the tape's")
                     if p is not None:
                         output(steps[p[0]], p[1], t, env, last_fetch)
 
@@ -611,7 +622,10 @@ def generate(tracegraph, xla=False) -> SymbolicGraph:
 
     body.__name__ = graph_name
     function = def_function.function(body, autograph=False)
-    function = function.get_concrete_function()
+    try:
+        function = function.get_concrete_function()
+    except _NotSymbolic as e:
+        return generate(tracegraph, xla, recorded | {e.node})
     fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}
     for node in _downstream(tracegraph, fetched_shapes):
         steps[node].check_shapes = True

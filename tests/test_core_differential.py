@@ -621,6 +621,19 @@ def test_data_dependent_output_shape():
     assert len(set(counts[6:]) - set(counts[:6])) > 2, counts  # the premise: new counts
 
 
+def test_where_the_symbolic_gradient_fails_the_recorded_ops_are_used(monkeypatch):
+    """If TF's symbolic gradient cannot be built for a region (an op without a registered
+    gradient), generation emits that region's recorded ops instead of giving up: the
+    boolean-mask program then co-executes with backward values fed by signature."""
+    def no_gradient(*args, **kwargs):
+        raise LookupError("no gradient registered (simulated)")
+
+    monkeypatch.setattr("terra.graph_builder.gradients_impl.gradients", no_gradient)
+    outcome = assert_same_as_eager(boolean_mask_program, 2 * STEPS, expect_fallbacks=(0, None),
+                                   max_traces=2 * STEPS, min_coexecuted=1)
+    assert outcome.stats.phase != "eager", outcome.report()
+
+
 def masked_metric_program(tape_cls, steps):
     """After each step, a metric over the rows a boolean mask selects: a new row count in
     most steps, with ops after the mask (``Square``, ``Sum``, a ``Reshape`` to the count)
