@@ -595,11 +595,10 @@ def _taped(records, i):
     enter = max((j for j in range(i) if records[j].kind == "mark" and
                  records[j].op_type == "enter" and records[j].attrs == rec.attrs[0]),
                 default=None)
-    exits = [j for j in range(enter or 0, i) if records[j].kind == "mark" and
-             records[j].op_type == "exit" and records[j].attrs == rec.attrs[0]]
     if enter is None:
         return False
-    window_end = exits[0] if exits else i
+    window_end = next((j for j in range(enter, i) if records[j].kind == "mark" and
+                       records[j].op_type == "exit" and records[j].attrs == rec.attrs[0]), i)
     in_body = set()
     for j in range(i):
         if records[j].kind == "grad":
