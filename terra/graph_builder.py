@@ -672,13 +672,11 @@ def _shape_fn_decides(node):
         return True
     shapes = next(iter(node.sigs))
     try:
-        with ops.Graph().as_default() as graph:
-            inputs = [_scratch_input(node, i, shape) for i, shape in enumerate(shapes)]
-            op = graph._create_op_internal(
-                node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
+        outputs = opdefs.scratch_output_shapes(node.op_type, node.attrs, lambda: [
+            _scratch_input(node, i, shape) for i, shape in enumerate(shapes)])
     except (ValueError, TypeError, errors.OpError):
         return True  # the runner's inference fails alike: a new shape falls back, as before
-    return all(t.shape.is_fully_defined() for t in op.outputs)
+    return all(shape.is_fully_defined() for shape in outputs)
 
 
 def _scratch_input(node, i, shape):

@@ -8,7 +8,7 @@ into ``AttrValue`` protos. Keeping the OpDef parsing here keeps those three cons
 import functools
 
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.framework import dtypes, op_def_registry, tensor_shape, tensor_util
+from tensorflow.python.framework import dtypes, op_def_registry, ops, tensor_shape, tensor_util
 from tensorflow.python.ops import array_ops, handle_data_util
 
 # Stateful ops that act on variables stay in the symbolic graph (paper §3.3.1): automatic
@@ -168,3 +168,13 @@ def scratch_handle(handle):
     placeholder = array_ops.placeholder(dtypes.resource, ())
     handle_data_util.copy_handle_data(handle, placeholder)
     return placeholder
+
+
+def scratch_output_shapes(op_type, attrs, make_inputs):
+    """The output shapes ``op_type``'s shape function gives (TF's graph-mode shape inference):
+    the op is built in a scratch graph on the inputs ``make_inputs()`` creates there
+    (constants where values are known, placeholders, :func:`scratch_handle`). Raises what
+    ``create_op`` raises when the shape function rejects them."""
+    with ops.Graph().as_default() as graph:
+        op = graph._create_op_internal(op_type, make_inputs(), attrs=attr_protos(op_type, attrs))
+    return [t.shape for t in op.outputs]

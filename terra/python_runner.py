@@ -352,7 +352,7 @@ class PythonRunner:
         path goes on with another trip where this iteration issued something else or ended
         (``issuing=False``; fewer trips). None otherwise. Only on the way to a fallback."""
         sid = self.sites.stack() if issuing else None
-        n = sum(1 for entry in self.it.log if entry[0].node.site[0] == sid)
+        n = self._issued_from(sid)
         seen = {s.node.site[1] for s in self.step_of.values() if s.node.site[0] == sid}
         if n and seen and n not in seen:
             return f"a loop ran {n + 1} trips, more than any trace"
@@ -366,8 +366,13 @@ class PythonRunner:
         """Successors that fit alike (one helper called from two lines): the one recorded
         at the executed location of the op being issued, if any."""
         sid = self.sites.stack()
-        n = sum(1 for entry in self.it.log if entry[0].node.site[0] == sid)
-        return [f for f in found if f[1].node.site == (sid, n)] or found[:1]
+        return [f for f in found if f[1].node.site == (sid, self._issued_from(sid))] or \
+            found[:1]
+
+    def _issued_from(self, sid):
+        """How many steps this iteration matched at call stack ``sid``: the occurrence of
+        the next one there (``terra.location.Sites``)."""
+        return sum(1 for entry in self.it.log if entry[0].node.site[0] == sid)
 
     def _fits(self, step, attrs, flat, fast):
         """Whether an op with these attrs (None: not checked) and inputs matches ``step``;
@@ -563,21 +568,19 @@ class PythonRunner:
         known = [self.tensors.get(a._id) is None and a._num_elements() <= SMALL_CONST and
                  a.dtype != dtypes.resource for a in flat]
         try:
-            with ops.Graph().as_default() as graph:
-                inputs = [constant_op.constant(a) if k else
-                          opdefs.scratch_handle(a) if a.dtype == dtypes.resource else
-                          array_ops.placeholder(a.dtype, shape)
-                          for a, k, shape in zip(flat, known, key, strict=True)]
-                op = graph._create_op_internal(
-                    step.op_type, inputs, attrs=opdefs.attr_protos(step.op_type, step.attrs))
+            outputs = opdefs.scratch_output_shapes(step.op_type, step.attrs, lambda: [
+                constant_op.constant(a) if k else
+                opdefs.scratch_handle(a) if a.dtype == dtypes.resource else
+                array_ops.placeholder(a.dtype, shape)
+                for a, k, shape in zip(flat, known, key, strict=True)])
         except (ValueError, TypeError, errors.OpError) as e:  # the shape function rejects them
             raise Mismatch(f"{step.op_type} called with new input shapes {key}: {e}",
                            "shape change") from None
-        if not all(t.shape.is_fully_defined() for t in op.outputs):
+        if not all(shape.is_fully_defined() for shape in outputs):
             raise Mismatch(f"{step.op_type} called with new input shapes {key}, for which "
                            "its shape function gives no output shape", "shape change")
-        specs = tuple((tuple(t.shape.as_list()), dtype)
-                      for t, (_, dtype) in zip(op.outputs, step.out_specs, strict=True))
+        specs = tuple((tuple(shape.as_list()), dtype)
+                      for shape, (_, dtype) in zip(outputs, step.out_specs, strict=True))
         return specs, all(slot.kind == "const" for slot, k in zip(step.slots, known) if k)
 
     def _result(self, node, out):
