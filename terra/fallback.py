@@ -68,9 +68,12 @@ def replay(log, recorder, open_tapes):
 
 def _replay(log, recorder, tapes):
     ctx = context.context()
+    issued = {}  # call stack -> ops replayed from it: a loop body's op occurs once per trip
     for step, inputs, outs, extra in log:
         node = step.node
-        recorder.override = (node.location, node.site)
+        sid = node.site[0] if node.site else None
+        n = issued[sid] = issued.get(sid, -1) + 1
+        recorder.override = (node.location, (sid, n) if step.looped else node.site)
         try:
             if step.kind is NodeKind.MARK:
                 _replay_mark(step, [_real(x) for x in inputs], extra, recorder)

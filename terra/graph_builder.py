@@ -40,17 +40,27 @@ import itertools
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context, def_function
-from tensorflow.python.framework import constant_op, dtypes, errors, ops, tensor_util
+from tensorflow.python.framework import (
+    constant_op,
+    dtypes,
+    errors,
+    ops,
+    tensor_shape,
+    tensor_util,
+)
 from tensorflow.python.ops import (
     array_ops,
     control_flow_switch_case,
     gen_resource_variable_ops,
     gradients_impl,
+    math_ops,
+    while_loop,
 )
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from terra import opdefs
 from terra.case_assignment import assign_cases
+from terra.loops import roll
 from terra.queues import Channel
 from terra.tracegraph import NodeKind, TraceNode, relax
 
@@ -66,7 +76,7 @@ class Step:
     __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
                  "check_shapes", "fetch", "has_fetch", "static", "dynamic", "python", "out_feed",
                  "body", "results", "pack", "slow_attrs", "next", "puts", "visits", "seq",
-                 "owner", "cone_phis", "backward_feeds")
+                 "owner", "cone_phis", "backward_feeds", "looped")
 
     def __init__(self, node: TraceNode | None):
         self.node = node
@@ -78,7 +88,8 @@ class Step:
         self.visits = 0  # iterations that passed this step: the position in its channels
         self.seq = -1  # when the PythonRunner last passed it (its running count of steps)
         self.owner = self  # whose ``seq`` counts for it: a gradient op's is its region's head
-        self.body = []  # GRAD: the steps of its region, which Python skips
+        self.looped = False  # in a loop's body: passed once per trip
+        self.body = []  # GRAD: the steps of its region, which Python skips; LOOP: its body
         # GRAD: the joined inputs of its cone, ((slot, input index of the call or None,
         # producer), ...): the producer each must have taken this iteration
         self.cone_phis = ()
@@ -112,9 +123,11 @@ class Step:
 class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
-    def __init__(self, start, steps, switch_cases, function, written, rewriters_off=()):
+    def __init__(self, start, steps, switch_cases, function, written, rewriters_off=(),
+                 loops=()):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
+        self.loops = loops  # the loop nodes (terra.loops), each a While
         self.switch_cases = switch_cases  # [(SwitchCase, Case Select channel or None)]
         self.function = function
         self.written = written  # [(handle, dtype)] variables the graph writes
@@ -133,7 +146,8 @@ class SymbolicGraph:
         fetches = sum(c is not None for s in steps for c in s.fetch)
         selects = sum(c is not None for _, c in self.switch_cases)
         return (f"SymbolicGraph({len(self.steps)} steps, {feeds} feeds, {fetches} fetches, "
-                f"{selects} switch-cases, {len(self.written)} written variables)")
+                f"{selects} switch-cases, {len(self.loops)} while loops, "
+                f"{len(self.written)} written variables)")
 
 
 def _with_rewriters_off(serialized, names):
@@ -172,23 +186,24 @@ def _var_dtype(node):
 
 
 def _plan(tracegraph):
-    """One Step per node, linked: ``next`` follows the TraceGraph's edges, except that a
-    gradient head continues after its region (Python skips the backward ops)."""
+    """One Step per node. A gradient head owns its region's steps (Python skips the
+    backward ops); a loop node holds its body's steps, which Python visits once per trip."""
     steps = {n: Step(n) for n in tracegraph.nodes if n.kind not in (NodeKind.START, NodeKind.END)}
     start = Step(None)
-    for node, step in [(tracegraph.start, start), *steps.items()]:
-        if node.in_body:
+    for node, step in steps.items():
+        if node.kind not in (NodeKind.GRAD, NodeKind.LOOP):
             continue
         last = node
-        if step.kind is NodeKind.GRAD:
-            for _ in range(node.body_len):
-                if len(last.succs) != 1:
-                    raise NotImplementedError(f"{node.format()}: the gradient region branches")
-                last = last.succs[0]
-                step.body.append(steps[last])
+        for _ in range(node.body_len):
+            if len(last.succs) != 1:
+                raise NotImplementedError(f"{node.format()}: the gradient region branches")
+            last = last.succs[0]
+            step.body.append(steps[last])
+            if node.kind is NodeKind.GRAD:
                 steps[last].owner = step
-        step.next = [None if s.kind is NodeKind.END else steps[s] for s in last.succs]
-        if step.kind is NodeKind.GRAD:
+            else:
+                steps[last].looped = True
+        if node.kind is NodeKind.GRAD and not node.rolled:
             step.cone_phis = tuple(
                 (slot, k if n is None else None, (p, out))
                 for (n, k), (_, p, out) in node.cone.items()
@@ -197,18 +212,20 @@ def _plan(tracegraph):
 
 
 def _exit(node):
-    """The node whose edges leave ``node``'s unit: the last op of a gradient region."""
-    for _ in range(node.body_len if node.kind is NodeKind.GRAD else 0):
+    """The node whose edges leave ``node``'s unit: the last op of a gradient region or of a
+    loop's body."""
+    for _ in range(node.body_len if node.kind in (NodeKind.GRAD, NodeKind.LOOP) else 0):
         node = node.succs[0]
     return node
 
 
-def _switch_cases(tracegraph, start, steps):
-    """Algorithm 1 over the units of the TraceGraph, a Case Select channel for every
-    switch-case the graph must branch at, and each step's ``puts``: what taking an edge
-    feeds. Returns ``[(SwitchCase, channel or None, skip index or None)]``."""
+def _switch_cases(tracegraph):
+    """Algorithm 1 over the units of the TraceGraph (a loop node and its body are one), and
+    a Case Select channel for every switch-case the graph must branch at. Returns
+    ``[(SwitchCase, channel or None, skip index or None)]`` and what taking each edge
+    between units feeds: ``{(unit head, successor): [(channel, index)]}``."""
     switch_cases = assign_cases(tracegraph.start, tracegraph.end, lambda n: _exit(n).succs)
-    puts = {}  # (unit head, successor) -> [(channel, index)]
+    puts = {}
     planned = []
     ended = []  # exits seen so far: a path may have ended before the switch-cases after them
     for sc in switch_cases:
@@ -225,13 +242,43 @@ def _switch_cases(tracegraph, start, steps):
                     puts.setdefault((u, v), []).append((channel, skip))
         ended += [(u, v) for u, v in sc.exits]
         planned.append((sc, channel, skip))
+    return planned, puts
+
+
+def _link(tracegraph, start, steps, puts, conds):
+    """Each step's ``next`` and ``puts``. An edge into a loop node leads to its body's first
+    step, with the Loop Cond saying "go on" (1), and past the loop, with "stop" (0) and the
+    Case Selects of the edge out of the loop; the body's last step leads round again or out
+    the same way."""
+    end = tracegraph.end
+
+    def arrivals(node, puts_so_far):
+        if node is end:
+            return [(None, puts_so_far)]
+        if node.kind is not NodeKind.LOOP:
+            return [(steps[node], puts_so_far)]
+        go, stop = (conds[node], 1), (conds[node], 0)
+        found = [(steps[node.succs[0]], puts_so_far + [go])]
+        for s in _exit(node).succs:
+            found += arrivals(s, puts_so_far + [stop] + puts.get((node, s), []))
+        return found
+
     for node, step in [(tracegraph.start, start), *steps.items()]:
-        if node.in_body:
+        if node.in_body or node.kind is NodeKind.LOOP:
             continue
-        edges = [puts.get((node, s), ()) for s in _exit(node).succs]
-        if any(edges):
-            step.puts = [tuple(e) for e in edges]
-    return planned
+        loop = node.loop
+        if loop is not None and node is _exit(loop):  # round again, or out of the loop
+            found = [(steps[loop.succs[0]], [(conds[loop], 1)])]
+            for s in node.succs:
+                found += arrivals(s, [(conds[loop], 0)] + puts.get((loop, s), []))
+        elif loop is not None:
+            found = [(steps[node.succs[0]], [])]
+        else:
+            found = [a for s in _exit(node).succs
+                     for a in arrivals(s, list(puts.get((node, s), ())))]
+        step.next = [target for target, _ in found]
+        if any(p for _, p in found):
+            step.puts = [tuple(p) for _, p in found]
 
 
 def _unseen_by_python(steps):
@@ -293,9 +340,13 @@ def _symbolic(step, in_branch):
     ``tf.switch_case`` (``in_branch``: a gradient through a switch-case's outputs would rewrite
     its branches, and inside a branch the sources would have to be mapped to the branch's
     captures, which is not built); and where Python feeds nothing the region reads (its
-    inputs are validated, never fed)."""
+    inputs are validated, never fed). A region merged from the regions of every trip count
+    through a loop (``rolled``) has no recorded ops for trip counts no trace took: it is
+    symbolic, or its loop stays unrolled."""
     node = step.node
-    if step.kind is not NodeKind.GRAD or not node.taped or not any(
+    if step.kind is not NodeKind.GRAD or not node.taped:
+        return False
+    if not node.rolled and not any(
             slot.kind == "feed" for body_step in step.body for slot in body_step.slots):
         return False
     if any(slot.kind == "feed" for slot in step.slots):
@@ -308,25 +359,28 @@ def _shapes_vary(tracegraph):
     """Nodes whose input shapes may differ from every recorded signature: downstream of a
     feed or Python-run op whose shape varied, or of joined inputs of different shapes. The
     PythonRunner looks their output shapes up by input shapes (``check_shapes``): a node
-    traced with one signature would otherwise hand out stand-ins of the old shape."""
+    traced with one signature would otherwise hand out stand-ins of the old shape. A loop's
+    body reads its own outputs of the previous trip: repeated until nothing changes."""
     varies = set()
 
     def exact(shape):
         return shape is not None and None not in shape
 
-    for node in tracegraph.topological():
-        if node.kind is not NodeKind.OP:
-            continue
-        for slot in node.inputs:
-            if slot.kind == "feed" and not exact(slot.shape) or slot.kind == "same" and any(
-                    not exact(p.inputs[k].shape) for p, k in slot.alts):
-                varies.add(node)
-            elif slot.kind == "node" and (
-                    any(p in varies or not p.in_graph and not exact(p.out_relaxed[k])
-                        for p, k in slot.alts) or
-                    len({tuple(p.out_relaxed[k] or ()) for p, k in slot.alts}) > 1):
-                varies.add(node)
-    return varies
+    order = [n for n in tracegraph.topological() if n.kind is NodeKind.OP]
+    while True:
+        before = len(varies)
+        for node in order:
+            for slot in node.inputs:
+                if slot.kind == "feed" and not exact(slot.shape) or slot.kind == "same" and any(
+                        not exact(p.inputs[k].shape) for p, k in slot.alts):
+                    varies.add(node)
+                elif slot.kind == "node" and (
+                        any(p in varies or not p.in_graph and not exact(p.out_relaxed[k])
+                            for p, k in slot.alts) or
+                        len({tuple(p.out_relaxed[k] or ()) for p, k in slot.alts}) > 1):
+                    varies.add(node)
+        if len(varies) == before:
+            return varies
 
 
 def _alts_of(step):
@@ -387,22 +441,42 @@ class _NotSymbolic(Exception):
         self.node = node
 
 
-def generate(tracegraph, xla=False, recorded=frozenset()) -> SymbolicGraph:
+class _KeepUnrolled(Exception):
+    """A loop's While, or TF's symbolic gradient through it, cannot be built: generate again
+    with that loop unrolled."""
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+
+
+def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) -> SymbolicGraph:
     """Build the symbolic graph for every path of the TraceGraph (its compute ops compiled
-    with XLA if ``xla``). ``recorded``: gradient regions emitted as their recorded backward
-    ops even where ``_symbolic`` would take TF's symbolic gradient (it failed for them)."""
+    with XLA if ``xla``), its loops rolled into While ops (``terra.loops``). ``recorded``:
+    gradient regions emitted as their recorded backward ops even where ``_symbolic`` would
+    take TF's symbolic gradient (it failed for them); ``unrolled``: loops left unrolled (by
+    their first trip's nodes: their While failed)."""
     graph_name = f"terra_step_{next(_names)}"
+    original = tracegraph
+    tracegraph, loops = roll(tracegraph, keep=unrolled)
     start, steps = _plan(tracegraph)
     varying = _shapes_vary(tracegraph)
     for node in varying:
         steps[node].check_shapes = True
-    planned = _switch_cases(tracegraph, start, steps)
+    planned, puts = _switch_cases(tracegraph)
+    with ops.init_scope():
+        conds = {loop: Channel(_INT32, ()) for loop in loops}  # Loop Cond: 1 go on, 0 stop
+    _link(tracegraph, start, steps, puts, conds)
     exports = _exports(planned, steps)
     in_branch = {node for sc, channel, _ in planned if channel is not None
                  for case in sc.cases for head in case.block
                  for node in [head] + [b.node for b in steps[head].body]}
-    symbolic = {node for node, step in steps.items()
-                if node not in recorded and _symbolic(step, in_branch)}
+    symbolic = set()
+    for node, step in steps.items():
+        if node not in recorded and _symbolic(step, in_branch):
+            symbolic.add(node)
+        elif step.kind is NodeKind.GRAD and node.rolled:
+            return generate(original, xla, recorded, unrolled | {node.rolled})
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     phi_of = {}  # (node, out) or ("s", node, input) -> the phi slots it updates
@@ -440,6 +514,7 @@ def generate(tracegraph, xla=False, recorded=frozenset()) -> SymbolicGraph:
     written = {}
     segments = itertools.count()  # XLA scopes: a new one after every fetch
     scope = [None]
+    looping = [False]  # emitting a loop's body
 
     def body():
         top = ops.get_default_graph()
@@ -514,8 +589,8 @@ def generate(tracegraph, xla=False, recorded=frozenset()) -> SymbolicGraph:
                       for i, slot in enumerate(step.slots)]
             op = graph._create_op_internal(node.op_type, inputs,
                                            attrs=opdefs.attr_protos(node.op_type, node.attrs))
-            if xla and not step.check_shapes:  # a new shape would recompile its cluster
-                for_xla(graph, n_ops)
+            if xla and not step.check_shapes and not looping[0]:  # a new shape would
+                for_xla(graph, n_ops)  # recompile its cluster; a While is not clustered
             if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
                 for slot in step.slots:
                     if slot.kind == "var":
@@ -574,9 +649,59 @@ def generate(tracegraph, xla=False, recorded=frozenset()) -> SymbolicGraph:
                     if p is not None:
                         output(steps[p[0]], p[1], t, env, last_fetch)
 
+        def emit_loop(step, env, last_fetch):
+            """A loop node: a While whose Loop Cond the PythonRunner feeds after each trip
+            (and before the first rolled one). The loop variables are a token, which orders
+            a trip's dequeues after the previous trip's fetches (Fig. 3.4 across trips), and
+            the body's values read by the next trip or after the loop, starting from the
+            last peeled trip's."""
+            node = step.node
+            carried = node.carried
+            with ops.control_dependencies(last_fetch):
+                token = array_ops.identity(constant_op.constant(0))
+            start_values = [env[_value_key(slot)] for slot in node.inputs]
+            invariants = [tensor_shape.TensorShape([])] + [
+                tensor_shape.TensorShape(relax(b.out_relaxed[k], slot.alts[0][0].out_relaxed[k]))
+                .most_specific_compatible_shape(t.shape)
+                for (b, k), slot, t in zip(carried, node.inputs, start_values, strict=True)]
+            fetched = []
+
+            def go_on(token, *_):
+                return math_ops.not_equal(dequeue(conds[node], [token]), 0)
+
+            def trip(token, *values):
+                local = collections.ChainMap({}, env)
+                for (b, k), v in zip(carried, values, strict=True):
+                    for sid in phi_of.get((b, k), ()):
+                        local[("phi", sid)] = v
+                trip_fetch = [token]
+                for body_step in step.body:
+                    emit(body_step, local, trip_fetch)
+                fetched.append(trip_fetch[0] is not token)
+                with ops.control_dependencies(trip_fetch):
+                    token = array_ops.identity(token)
+                return [token] + [local[("v", b, k)] for b, k in carried]
+
+            looping[0] = True
+            try:
+                outs = while_loop.while_loop(
+                    go_on, trip, [token] + start_values, shape_invariants=invariants,
+                    parallel_iterations=1, return_same_structure=True)
+            except (ValueError, TypeError) as e:  # a value whose shape the body changes
+                raise _KeepUnrolled(loops[node]) from e
+            finally:
+                looping[0] = False
+            for (b, k), t in zip(carried, outs[1:], strict=True):
+                define(env, ("v", b, k), t)
+            if any(fetched):
+                last_fetch[:] = [outs[0].op]
+
         def emit_block(block, env, last_fetch):
             for head in block:
                 step = steps[head]
+                if step.kind is NodeKind.LOOP:
+                    emit_loop(step, env, last_fetch)
+                    continue
                 if step.kind is NodeKind.OP:
                     emit(step, env, last_fetch)
                 elif head in symbolic:
@@ -625,7 +750,11 @@ def generate(tracegraph, xla=False, recorded=frozenset()) -> SymbolicGraph:
     try:
         function = function.get_concrete_function()
     except _NotSymbolic as e:
-        return generate(tracegraph, xla, recorded | {e.node})
+        if e.node.rolled:
+            return generate(original, xla, recorded, unrolled | {e.node.rolled})
+        return generate(original, xla, recorded | {e.node}, unrolled)
+    except _KeepUnrolled as e:
+        return generate(original, xla, recorded, unrolled | {e.key})
     fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}
     for node in _downstream(tracegraph, fetched_shapes):
         steps[node].check_shapes = True
@@ -636,18 +765,23 @@ def generate(tracegraph, xla=False, recorded=frozenset()) -> SymbolicGraph:
     if xla:
         off += ["arithmetic_optimization", "remapping"]
     return SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
-                         list(written.values()), rewriters_off=off)
+                         list(written.values()), rewriters_off=off, loops=list(loops))
 
 
 def _downstream(tracegraph, sources):
     """Ops that read, directly or not, an output of ``sources``: a data-dependent shape
-    reaches them, so the PythonRunner looks their output shapes up by input shapes."""
+    reaches them, so the PythonRunner looks their output shapes up by input shapes (repeated
+    until nothing changes, for the values a loop's body carries to its next trip)."""
     reached = set(sources)
-    for node in tracegraph.topological():
-        if node.kind is NodeKind.OP and node not in reached and any(
-                p in reached for slot in node.inputs if slot.kind == "node" for p, _ in slot.alts):
-            reached.add(node)
-    return reached - set(sources)
+    order = [n for n in tracegraph.topological() if n.kind is NodeKind.OP]
+    while True:
+        before = len(reached)
+        for node in order:
+            if node not in reached and any(p in reached for slot in node.inputs
+                                           if slot.kind == "node" for p, _ in slot.alts):
+                reached.add(node)
+        if len(reached) == before:
+            return reached - set(sources)
 
 
 def _draws_random(op):

@@ -88,12 +88,13 @@ class Iteration:
 class Entry:
     """Hook-table entry of a tensor the PythonRunner handed to Python."""
 
-    __slots__ = ("runner", "iteration", "step", "out", "value", "visit")
+    __slots__ = ("runner", "iteration", "step", "out", "value", "visit", "seq")
 
     def __init__(self, runner, iteration, step, out, value=None):
         self.runner, self.iteration, self.step, self.out = runner, iteration, step, out
         self.value = value  # the real EagerTensor once known
         self.visit = step.visits  # its position in the step's fetch channels
+        self.seq = runner.seq  # the step's pass that made it (Step.seq once it has moved)
 
     @property
     def node(self):
@@ -149,7 +150,7 @@ class PythonRunner:
         self.device = self.ctx.device_name or "/job:localhost/replica:0/task:0/device:CPU:0"
         self._dummies = {}
         self.sites = sites
-        fanout = max([len(sc.cases) + 1 for sc, _ in graph.switch_cases], default=0)
+        fanout = max([2] + [len(sc.cases) + 1 for sc, _ in graph.switch_cases])  # 2: Loop Cond
         self._case_index = [constant_op.constant(i, dtype=dtypes.int32) for i in range(fanout)]
         self.cur = graph.start  # the last matched step
         self.seq = 0  # steps matched so far: Step.seq says which producer of a phi ran last
@@ -350,14 +351,17 @@ class PythonRunner:
         """Why the iteration leaves the path, if a loop is the cause: the op being issued
         repeats its call stack more often than any trace did (more trips), or the recorded
         path goes on with another trip where this iteration issued something else or ended
-        (``issuing=False``; fewer trips). None otherwise. Only on the way to a fallback."""
+        (``issuing=False``; fewer trips). None otherwise. Only on the way to a fallback. A
+        loop rolled into a While runs any number of trips from its peeled ones on."""
         sid = self.sites.stack() if issuing else None
         n = self._issued_from(sid)
-        seen = {s.node.site[1] for s in self.step_of.values() if s.node.site[0] == sid}
-        if n and seen and n not in seen:
+        here = [s for s in self.step_of.values()
+                if s.node.site is not None and s.node.site[0] == sid]
+        seen = {s.node.site[1] for s in here}
+        if n and seen and n not in seen and not any(s.looped for s in here):
             return f"a loop ran {n + 1} trips, more than any trace"
         if (n in seen or not issuing) and any(
-                s is not None and s.node.site[1] > 0 and s.node.site[0] != sid
+                s is not None and not s.looped and s.node.site[1] > 0 and s.node.site[0] != sid
                 for s in self.cur.next):
             return "a loop ran fewer trips than the traces that went on here"
         return None
@@ -366,8 +370,9 @@ class PythonRunner:
         """Successors that fit alike (one helper called from two lines): the one recorded
         at the executed location of the op being issued, if any."""
         sid = self.sites.stack()
-        return [f for f in found if f[1].node.site == (sid, self._issued_from(sid))] or \
-            found[:1]
+        n = self._issued_from(sid)
+        return [f for f in found if f[1].node.site == (sid, n) or
+                f[1].looped and f[1].node.site[0] == sid] or found[:1]
 
     def _issued_from(self, sid):
         """How many steps this iteration matched at call stack ``sid``: the occurrence of
@@ -414,6 +419,8 @@ class PythonRunner:
                 if kind == "node":
                     if e is None or e.iteration is not it:
                         raise _bad(step, i, "has a new producer")
+                    if e.step.looped and e.seq != e.step.seq:
+                        raise _bad(step, i, "is a value of an earlier trip of its loop")
                     alts = slot.alts
                     if len(alts) == 1:
                         if e.step.node is not alts[0][0] or e.out != alts[0][1]:
@@ -642,6 +649,7 @@ class PythonRunner:
                                       f"shape or dtype", result)
         for k, t in enumerate(flat_outs):
             e = Entry(self, self.it, step, k, value=t)
+            e.seq = step.seq
             self.tensors[t._id] = e
             self.it.entries.append((e, t))
             channel = step.out_feed[k]

@@ -522,12 +522,17 @@ def explain() -> str:
     joins = [n for n in g.nodes if len(n.preds) > 1 and n is not g.end]
     loops = g.loops()
     lines.append(f"TraceGraph: {len(g.nodes) - 2} nodes, {len(g.branch_points)} branch points, "
-                 f"{len(joins)} merge-back points, {len(loops)} lines in Python loops (no loop "
-                 "nodes: a loop is unrolled, one node per trip, an exit after each trip count)")
+                 f"{len(joins)} merge-back points, {len(loops)} lines in Python loops (a loop "
+                 "is unrolled, one node per trip; the graph rolls the trips of one that took "
+                 "several trip counts into a loop node)")
     lines.extend(f"  loop at {loc.file}:{loc.line} ({loc.func}): ran "
                  f"{'|'.join(map(str, counts))} times per iteration" for loc, counts in loops[:8])
     if len(loops) > 8:
         lines.append(f"  ... and {len(loops) - 8} more lines in loops")
+    for node in rt.graph.loops if rt.graph is not None else ():
+        lines.append(f"  loop node {node!r} at {node.location}: {node.body_len} ops a trip, "
+                     f"{node.peeled} trips unrolled, then a tf.while_loop (traced "
+                     f"{'|'.join(map(str, node.counts))} trips)")
     if rt.graph is not None:
         lines.append("switch-cases (Algorithm 1; {first..last node} via control edges):")
         lines.extend(f"  {i}: {_format_switch_case(sc, channel)}"

@@ -48,6 +48,9 @@ class NodeKind(enum.Enum):
     OP = "op"  # a TF op; ``in_graph`` says whether the graph or the PythonRunner runs it
     MARK = "mark"  # tape enter / exit / watch
     GRAD = "grad"  # head of a gradient region: the next ``body_len`` nodes are its ops
+    # a loop node (terra.loops, only in a rolled copy): the next ``body_len`` nodes are one
+    # trip of a Python loop, emitted as a tf.while_loop
+    LOOP = "loop"
 
 
 class Slot:
@@ -210,6 +213,15 @@ class TraceNode:
         self.fetched: set[int] = set()
         self.escaped: set[int] = set()
         self.seen = 0  # traces that went through this node
+        self.loop = None  # in a rolled copy (terra.loops): the LOOP node whose body it is
+        # GRAD, in a rolled copy: the regions of every trip count through a loop, merged;
+        # emitted as TF's symbolic gradient through the While. The loop's first trip's nodes
+        # (its key in ``TraceGraph.trips``), else None
+        self.rolled = None
+        # what a node of the same op, issued from the same call stack, shares with it in
+        # every trip of a loop (its key but the occurrence)
+        self.stack_key = (kind, self.op_type, opdefs.key_attrs(self.attrs),
+                          self.site[0] if self.site else None)
 
     @property
     def key(self):
@@ -229,8 +241,10 @@ class TraceNode:
             extra.append(f"fetch={sorted(self.fetched)}")
         if self.escaped:
             extra.append(f"escape={sorted(self.escaped)}")
-        if self.kind == NodeKind.GRAD:
+        if self.kind in (NodeKind.GRAD, NodeKind.LOOP):
             extra.append(f"body={self.body_len}")
+        if self.kind == NodeKind.LOOP:  # its inputs: the values its first rolled trip reads
+            extra.append(f"trips={'|'.join(map(str, self.counts))} peeled={self.peeled}")
         where = f"  # {_where(self.location)}" if self.location else ""
         succ = " -> " + ", ".join(repr(s) for s in self.succs) if len(self.succs) > 1 else ""
         tags = f" [{' '.join(extra)}]" if extra else ""
@@ -287,6 +301,9 @@ class TraceGraph:
         # user line -> how many times its ops ran per iteration, one entry per count seen:
         # loops are unrolled (one node per trip), this says which lines repeat and how often
         self.repeats: dict = {}
+        # the trips of Python loops the traces went through: the nodes of a loop's first trip
+        # -> {trip index: that trip's nodes}; terra.loops rolls them into loop nodes
+        self.trips: dict[tuple, dict[int, tuple]] = {}
 
     def _count_repeats(self, records):
         """Note, per user line, how many times the ops issued there ran in this trace: the
@@ -301,6 +318,18 @@ class TraceGraph:
             i += 1 + (rec.body_len if rec.kind == "grad" else 0)
         for location in self.repeats.keys() | trips.keys():
             self.repeats.setdefault(location, set()).add(trips.get(location, 0))
+
+    def _note_trips(self, path):
+        """Find the loops in one trace's path: runs of ops whose call stacks and types repeat
+        with a period (:func:`periodic_runs`); note the nodes of each trip."""
+        keys = [n.stack_key if n.kind is NodeKind.OP and not n.in_body and n.site else object()
+                for n in path]
+        for start, period, count in periodic_runs(keys):
+            chains = [tuple(path[start + t * period:start + (t + 1) * period])
+                      for t in range(count)]
+            known = self.trips.setdefault(chains[0], {})
+            for t, chain in enumerate(chains):
+                known.setdefault(t, chain)
 
     def loops(self):
         """``[(location, sorted counts)]`` of the lines that ran more than once in some
@@ -376,6 +405,7 @@ class TraceGraph:
             self._link(cur, self.end)
         for node in path:
             node.seen += 1
+        self._note_trips(path)
         return covered and all(node.seen > 1 for node in path), path
 
     def _match_unit(self, node, records, i, trace, join=False):
@@ -531,6 +561,38 @@ class TraceGraph:
                 continue
             lines.append(n.format())
         return "\n".join(lines)
+
+
+def periodic_runs(keys):
+    """The loops in a sequence of keys: ``[(start, period, count)]`` for each maximal run
+    ``keys[start:start + count * period]`` made of ``count >= 2`` repeats of its first
+    ``period`` keys, where ``period`` is the distance to the next occurrence of
+    ``keys[start]``. A key is an op's type, attributes and call stack: the same key again
+    means the same code issued again, which only a loop does. Runs do not overlap; an outer
+    loop whose inner loop ran the same trips each time is found whole, otherwise its inner
+    loops are."""
+    following = [None] * len(keys)
+    last = {}
+    for i in range(len(keys) - 1, -1, -1):
+        following[i] = last.get(keys[i])
+        last[keys[i]] = i
+    runs = []
+    i = 0
+    while i < len(keys):
+        j = following[i]
+        if j is None:
+            i += 1
+            continue
+        period, count = j - i, 1
+        pattern = keys[i:j]
+        while keys[i + count * period:i + (count + 1) * period] == pattern:
+            count += 1
+        if count >= 2:
+            runs.append((i, period, count))
+            i += count * period
+        else:
+            i += 1
+    return runs
 
 
 def signature_part(t):

@@ -258,32 +258,42 @@ def test_a_shared_layer_applied_a_varying_number_of_times():
                          min_coexecuted=8)
 
 
-def rnn_varying_length(tape_cls, steps):
-    """A recurrent cell unrolled by a Python loop over the time axis. Every batch has its own
-    sequence length (3, 4 or 5): the trip count and the fed input's shape change per step."""
-    tf.keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    cell, head = tf.keras.layers.SimpleRNNCell(16), tf.keras.layers.Dense(4)
-    cell.build((None, 8))
-    head.build((None, 16))
-    variables = cell.trainable_variables + head.trainable_variables
-    optimizer = tf.keras.optimizers.Adam(1e-2)
-    loss_fn = sparse_xent()
-    losses, grads_per_step = [], []
-    for step in range(steps):
-        length = 3 + (step * 5) % 3
-        x = tf.constant(rng.normal(size=(16, length, 8)).astype(np.float32))
-        y = tf.constant(rng.integers(0, 4, 16).astype(np.int32))
-        with tape_cls() as tape:
-            h = tf.zeros((16, 16))
-            for t in range(x.shape[1]):
-                h, _ = cell(x[:, t, :], [h])
-            loss = loss_fn(y, head(h))
-        grads = tape.gradient(loss, variables)
-        optimizer.apply_gradients(zip(grads, variables, strict=True))
-        losses.append(float(loss))
-        grads_per_step.append([g.numpy() for g in grads])
-    return {"losses": losses, "grads": grads_per_step, "vars": [v.numpy() for v in variables]}
+def rnn(length):
+    """A recurrent cell unrolled by a Python loop over the time axis, batch ``step`` of
+    sequence length ``length(step)``: the trip count and the fed input's shape change."""
+    def rnn_program(tape_cls, steps):
+        tf.keras.utils.set_random_seed(0)
+        rng = np.random.default_rng(0)
+        cell, head = tf.keras.layers.SimpleRNNCell(16), tf.keras.layers.Dense(4)
+        cell.build((None, 8))
+        head.build((None, 16))
+        variables = cell.trainable_variables + head.trainable_variables
+        optimizer = tf.keras.optimizers.Adam(1e-2)
+        loss_fn = sparse_xent()
+        losses, grads_per_step = [], []
+        for step in range(steps):
+            x = tf.constant(rng.normal(size=(16, length(step), 8)).astype(np.float32))
+            y = tf.constant(rng.integers(0, 4, 16).astype(np.int32))
+            with tape_cls() as tape:
+                h = tf.zeros((16, 16))
+                for t in range(x.shape[1]):
+                    h, _ = cell(x[:, t, :], [h])
+                loss = loss_fn(y, head(h))
+            grads = tape.gradient(loss, variables)
+            optimizer.apply_gradients(zip(grads, variables, strict=True))
+            losses.append(float(loss))
+            grads_per_step.append([g.numpy() for g in grads])
+        return {"losses": losses, "grads": grads_per_step, "vars": [v.numpy() for v in variables]}
+
+    return rnn_program
+
+
+rnn_varying_length = rnn(lambda step: 3 + (step * 5) % 3)  # 3, 5, 4, 3, 5, 4, ...
+
+# The While sums a variable's gradient over the trips one trip at a time, eager's tape sums
+# every trip's at once: the same numbers up to float rounding (about 2e-7 relative on the
+# first steps in a While), which training then amplifies.
+WHILE_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def source_line(fn, text):
@@ -298,8 +308,22 @@ def test_rnn_unrolled_by_python_with_varying_trip_count_and_input_shape():
                                    expect_fallbacks=(0, 0), min_coexecuted=10)
     # explain() names the loop body's line and the trip counts the traces took
     where = re.escape(source_line(rnn_varying_length, "h, _ = cell("))
-    assert re.search(rf"loop at \S*{where} \(rnn_varying_length\): ran 3\|4\|5 times",
+    assert re.search(rf"loop at \S*{where} \(rnn_program\): ran 3\|4\|5 times",
                      outcome.explain), outcome.report()
+    # and rolls the trips after the third into one While, whose body starts at that line
+    assert re.search(rf"loop node %\d+ at \S*{where} \(rnn_program\): 9 ops a trip, "
+                     r"3 trips unrolled, then a tf.while_loop \(traced 3\|4\|5 trips\)",
+                     outcome.explain), outcome.report()
+
+
+# Lengths 3 and 4 while tracing, then 5 to 9: sequences longer than any trace had
+rnn_longer_later = rnn(lambda step: 3 + step % 2 if step < 8 else 5 + step % 5)
+
+
+def test_an_rnn_over_longer_sequences_than_any_trace_co_executes_in_the_while():
+    outcome = assert_same_as_eager(rnn_longer_later, 20, max_traces=4, expect_fallbacks=(0, 0),
+                                   min_coexecuted=14, **WHILE_TOLERANCE)
+    assert "1 while loops" in outcome.explain, outcome.report()
 
 
 # Three trips until step 10, two from then on: the recorded path goes on with a third trip
@@ -318,15 +342,70 @@ def test_a_loop_with_fewer_trips_falls_back_as_a_new_loop_count_then_coexecutes(
         outcome.report()
 
 
-# A loop one trip longer every other step: each new trip count arrives in co-execution, falls
-# back, is traced once more, and the graph is regenerated; no iteration ever completes in a
-# graph.
+# A loop one trip longer every other step: once two trip counts were traced, the loop is a
+# While that runs any number of trips; every longer loop co-executes.
 growing_loop = shared_layer_looped(lambda step: step // 2 + 1)
+
+
+def test_a_loop_longer_than_any_trace_co_executes_in_a_while_loop():
+    # 16 steps: up to 8 trips; 1 and 2 were traced
+    outcome = assert_same_as_eager(growing_loop, 16, max_traces=4, expect_fallbacks=(0, 0),
+                                   min_coexecuted=10, **WHILE_TOLERANCE)
+    where = re.escape(source_line(shared_layer_looped, "h = net.shared(h) + h"))
+    assert re.search(rf"loop node %\d+ at \S*{where} \(forward\): 6 ops a trip, 1 trips "
+                     r"unrolled, then a tf.while_loop \(traced 1\|2 trips\)",
+                     outcome.explain), outcome.report()
+
+
+def older_trip_from(step):
+    """A loop of 2 to 5 trips, each adding the value of the previous trip; from ``step`` on,
+    the fifth trip adds the value of two trips back instead. In the While that is the same
+    body op's output of an earlier trip, a value no trace read: told apart, not computed
+    from the carried value."""
+    def program(tape_cls, steps):
+        def forward(net, x, step_now):
+            hs = [net.inp(x)]
+            for _ in range(2 + step_now % 4):
+                older = hs[-2] if step_now >= step and len(hs) > 4 else hs[-1]
+                hs.append(net.shared(hs[-1]) + older)
+            return net.out(hs[-1])
+
+        return train(tape_cls, steps, forward)
+
+    return program
+
+
+def test_a_value_of_an_older_trip_is_told_from_the_carried_one():
+    outcome = assert_same_as_eager(older_trip_from(12), 20, max_traces=10,
+                                   expect_fallbacks=(1, 3), min_coexecuted=6, **WHILE_TOLERANCE)
+    assert re.search(r"fallback \[new producer\] at \S*: input 1 of AddV2 %\d+ is a value of an "
+                     "earlier trip of its loop", outcome.explain), outcome.report()
+
+
+def alternating_layers_looped(trips):
+    """Like :func:`shared_layer_looped`, but the trips alternate between two layers: they read
+    different variables, so the loop cannot be one While and stays unrolled."""
+    def program(tape_cls, steps):
+        def forward(net, x, step):
+            h = net.inp(x)
+            for i in range(trips(step)):
+                h = (net.shared if i % 2 == 0 else net.alt)(h) + h
+            return net.out(h)
+
+        return train(tape_cls, steps, forward)
+
+    return program
+
+
+# One trip longer every other step, and not a While: each new trip count arrives in
+# co-execution, falls back, is traced once more, and the graph is regenerated; no iteration
+# ever completes in a graph.
+growing_alternating = alternating_layers_looped(lambda step: step // 2 + 1)
 
 
 def test_falling_back_at_every_graph_gives_up_and_runs_eagerly():
     limit = terra.config.config.max_fallbacks_in_a_row
-    outcome = assert_same_as_eager(growing_loop, 2 * limit + 6, max_traces=2 * limit + 6,
+    outcome = assert_same_as_eager(growing_alternating, 2 * limit + 6, max_traces=2 * limit + 6,
                                    expect_fallbacks=(limit, limit), min_coexecuted=0)
     assert outcome.stats.phase == "eager", outcome.report()
     assert f"{limit} fallbacks in a row" in outcome.explain, outcome.report()

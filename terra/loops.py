@@ -1,0 +1,375 @@
+"""Loop nodes: the unrolled trips of a Python loop rolled into one body (paper §3.2.2).
+
+The TraceGraph keeps a loop unrolled, one node per trip (merging needs the executed location,
+and a trip's ops differ from the next trip's only by their occurrence). When traces took
+different trip counts, the GraphGenerator needs one body it can run any number of times: a
+``tf.while_loop`` whose Loop Cond the PythonRunner feeds. :func:`roll` makes that out of a
+copy of the TraceGraph; the TraceGraph itself stays unrolled for later merges.
+
+A loop seen with trip counts ``n1 < n2 < ...`` (``TraceGraph.trips`` holds its trips' nodes):
+
+- the first ``p = n1`` trips stay as they are (peeled): every trace ran them;
+- the trips from ``p`` on are rolled into a LOOP node ``L`` followed by one body ``B``
+  (the chain ``L -> B[0] -> ... -> B[m-1]``), and ``B[m-1]`` leads wherever any trip left
+  the loop. Case assignment sees ``L`` and its body as one unit, like a gradient region;
+- each input of ``B[j]`` is classified over the rolled trips: an output of the same trip,
+  one of the previous trip (carried: ``phi(peeled | B)``, the value that ran last, as a
+  phi always is), a value from before the loop (invariant), a variable, a constant, or a
+  per-trip feed (a constant that differs between trips, ``x[:, t]``'s begin index);
+- a value read after the loop from the rolled trips reads ``B`` (whichever trip ran last);
+- gradient regions whose forward pass went through the loop (one per trip count: their
+  cones differ) are merged into one, emitted as TF's symbolic gradient through the While.
+
+A loop that does not fit (a trip that branches or breaks in the middle, a value read from
+two trips back, a gradient region or tape mark inside a trip, gradient regions that differ
+otherwise) is left unrolled: every trip count a trace took still runs in the graph, and a
+new one falls back, as before.
+"""
+
+import copy
+
+from terra.tracegraph import NodeKind, Slot, TraceGraph, TraceNode, relax
+
+
+class _NotRollable(Exception):
+    """This loop cannot be rolled (the message says why); it stays unrolled."""
+
+
+def roll(tracegraph: TraceGraph, keep=frozenset()):
+    """A copy of ``tracegraph`` with its loops rolled, or ``tracegraph`` itself if none is.
+    ``keep``: loops (by their first trip's nodes, as in ``TraceGraph.trips``) left unrolled.
+    Returns ``(graph, {LOOP node: its first trip's nodes})``."""
+    graph, loops, clone = tracegraph, {}, {}
+    for first, trips in tracegraph.trips.items():
+        if first in keep:
+            continue
+        chains = {t: tuple(clone.get(n, n) for n in chain) for t, chain in trips.items()}
+        present = set(graph.nodes)
+        if any(n not in present for chain in chains.values() for n in chain):
+            continue  # some of its nodes were rolled into another loop
+        try:
+            rolled = _Rolling(graph, chains, first)
+            graph, step = rolled.copy()
+        except _NotRollable:
+            continue
+        clone = {n: step.get(clone.get(n, n), clone.get(n, n)) for n in tracegraph.nodes}
+        loops = {step.get(k, k): v for k, v in loops.items()}
+        loops[rolled.head] = first
+    return graph, loops
+
+
+def _contiguous(trips):
+    chains = []
+    while len(chains) in trips:
+        chains.append(trips[len(chains)])
+    return chains
+
+
+class _Rolling:
+    """The plan for rolling one loop of ``graph``; :meth:`copy` carries it out."""
+
+    def __init__(self, graph, trips, key):
+        self.graph, self.key = graph, key
+        c = self.c = _contiguous(trips)
+        m = self.m = len(c[0])
+        ends = [t + 1 for t in range(len(c))
+                if any(t + 1 == len(c) or s is not c[t + 1][0] for s in c[t][-1].succs)]
+        self.counts = ends
+        p = self.p = ends[0] if ends else len(c)
+        if p >= len(c):
+            raise _NotRollable("every trace ran the same trips")  # unrolled (the paper too)
+        if any(n.kind is not NodeKind.OP for n in c[p]):
+            raise _NotRollable("a trip holds a tape mark or a gradient call")
+        for t in range(p - 1, len(c)):
+            for j in range(m - 1):
+                if c[t][j].succs != [c[t][j + 1]] or c[t][j + 1].preds != [c[t][j]]:
+                    raise _NotRollable("a trip branches or leaves the loop in its middle")
+            if t >= p and c[t][0].preds != [c[t - 1][-1]]:
+                raise _NotRollable("a trip is entered from elsewhere")
+        # trip index and position of the nodes from the last peeled trip on
+        self.pos = {n: (t, j) for t in range(p - 1, len(c)) for j, n in enumerate(c[t])}
+        self.rolled = {n for n, (t, _) in self.pos.items() if t >= p}
+        self.head = TraceNode(next(graph._ids), NodeKind.LOOP)
+        self.head.body_len = m
+        self.head.location = c[p][0].location
+        self.head.counts, self.head.peeled = tuple(ends), p
+        self.body = [self._body_node(j) for j in range(m)]
+        self.grads = self._gradient_groups()
+
+    # -- the body -----------------------------------------------------------------------
+    def _body_node(self, j):
+        c, p = self.c, self.p
+        trips = [c[t][j] for t in range(p, len(c))]
+        node = copy.copy(trips[0])
+        node.succs, node.preds, node.loop = [], [], self.head
+        node.sigs = {}
+        for other in trips:
+            for sig, specs in other.sigs.items():
+                if node.sigs.setdefault(sig, specs) != specs:
+                    node.data_dependent = True
+        node.data_dependent |= any(n.data_dependent for n in trips)
+        node.out_relaxed = list(trips[0].out_relaxed)
+        for other in trips[1:]:
+            node.out_relaxed = [relax(a, b) for a, b in zip(node.out_relaxed, other.out_relaxed)]
+        node.fetched = set().union(*(n.fetched for n in trips))
+        node.escaped = set().union(*(n.escaped for n in trips))
+        node.inputs = [self._body_slot(j, i) for i in range(len(node.inputs))]
+        return node
+
+    def _body_slot(self, j, i):
+        """What input ``i`` of the body's node ``j`` reads, from its reads in every rolled
+        trip (and the last peeled one, for constants)."""
+        c, p = self.c, self.p
+        slots = [c[t][j].inputs[i] for t in range(p, len(c))]
+        kinds = {s.kind for s in slots}
+        if kinds <= {"const", "capture", "feed"}:
+            return self._external(slots, c[p - 1][j].inputs[i])
+        if len(kinds) > 1 or any(len(s.alts) > 1 for s in slots):
+            raise _NotRollable("an input of a trip joins paths")
+        kind = slots[0].kind
+        if kind in ("var", "resource"):
+            if kind == "var" and len({s.tensor._id for s in slots}) > 1:
+                raise _NotRollable("trips read different variables")
+            return copy.copy(slots[0])
+        choices = None  # the readings consistent with every rolled trip so far
+        for t, slot in enumerate(slots, p):
+            n, out = slot.alts[0]
+            where = self.pos.get(n)
+            fits = set()
+            if where is None or where[0] == p - 1:
+                fits.add(("before", n, out))  # from before the rolled trips: invariant
+            if where is not None and where[0] == t and where[1] < j:
+                fits.add(("trip", where[1], out))
+            if kind == "node" and where is not None and where[0] == t - 1 and where[1] >= j:
+                fits.add(("carried", where[1], out))
+            choices = fits if choices is None else choices & fits
+        if not choices:
+            raise _NotRollable("a trip reads a value of another trip than the previous one")
+        how, a, out = max(choices, key=lambda f: f[0] == "carried")  # ambiguous: carried
+        if how == "before":
+            return Slot(kind, a, out)
+        if how == "trip":
+            return Slot(kind, _Pending(a), out)
+        slot = Slot("node", c[p - 1][a], out)
+        slot.alts.append((_Pending(a), out))
+        return slot
+
+    @staticmethod
+    def _external(slots, peeled):
+        """A constant if every rolled trip and the last peeled one read the same one, a
+        captured tensor if every rolled trip read that one, else a value fed at every trip."""
+        first = slots[0]
+        same = slots + ([peeled] if peeled.kind == "const" else [])
+        if all(s.kind == "const" for s in slots) and all(
+                s.value.shape == first.value.shape and s.value_bytes == first.value_bytes
+                for s in same):
+            return copy.copy(first)
+        if all(s.kind == "capture" and s.tensor is first.tensor for s in slots):
+            return copy.copy(first)
+        if peeled.kind in ("const", "capture", "feed"):
+            slots = slots + [peeled]
+        if len({s.dtype for s in slots}) > 1:
+            raise _NotRollable("trips feed values of different dtypes")
+        feed = Slot("feed")
+        feed.dtype, feed.values_vary = first.dtype, True
+        shapes = [tuple(s.value.shape) if s.kind == "const" else s.shape for s in slots]
+        feed.shape = shapes[0]
+        for shape in shapes[1:]:
+            feed.shape = relax(feed.shape, shape)
+        return feed
+
+    # -- gradient regions through the loop ----------------------------------------------
+    def _gradient_groups(self):
+        """Gradient regions whose forward pass reached the loop, grouped by key: each group
+        becomes one region, emitted as TF's symbolic gradient (``TraceNode.rolled``)."""
+        touched = set(self.pos)
+        groups = {}
+        for node in self.graph.nodes:
+            if node.kind is NodeKind.GRAD and any(
+                    p in touched or n in touched for (n, _), (_, p, _) in node.cone.items()):
+                groups.setdefault(node.key, []).append(node)
+        for nodes in groups.values():
+            if not all(g.taped for g in nodes):
+                raise _NotRollable("a gradient through the loop differentiates ops its tape "
+                                   "did not record")
+            shapes = {tuple(None if r is None else (r[0], tuple(q is None for q in r[1:]))
+                            for r in g.results) for g in nodes}
+            if len(shapes) > 1:
+                raise _NotRollable("gradients through the loop differ in their results")
+        return list(groups.values())
+
+    # -- the copy -----------------------------------------------------------------------
+    def copy(self):
+        """The rolled copy of the graph, and the old node -> copy map of the nodes kept."""
+        graph, rolled, p, c = self.graph, self.rolled, self.p, self.c
+        merged = {}  # a gradient region merged into another: head and results -> the kept one
+        dropped = set(rolled)
+        for nodes in self.grads:
+            keep = nodes[0]
+            for g in nodes[1:]:
+                merged[g] = keep
+                dropped.add(g)
+                body = _region(g)
+                dropped.update(body)
+                for r, r_keep in zip(g.results, keep.results, strict=True):
+                    for part, part_keep in zip((r or ())[1:], (r_keep or ())[1:]):
+                        if part is not None:
+                            merged[part] = part_keep
+                merged[body[-1]] = _region(keep)[-1]  # where the region is left
+        new = copy.copy(graph)
+        new.trips, new._by_key = {}, {}
+        clone = {}
+        for n in graph.nodes:
+            if n not in dropped:
+                clone[n] = copy.copy(n)
+                clone[n].succs, clone[n].preds = [], []
+        for node in clone.values():  # an earlier loop's nodes refer to its copied head
+            if node.loop is not None:
+                node.loop = clone[node.loop]
+            if node.kind is NodeKind.LOOP:
+                node.carried = [(clone[b], out) for b, out in node.carried]
+        for j, n in enumerate(c[p]):
+            clone[n] = self.body[j]  # edges into the first rolled trip reach the body
+        new.start, new.end = clone[graph.start], clone[graph.end]
+
+        def out_of(node, out):
+            """Where a read of output ``out`` of ``node`` reads in the copy."""
+            if node in rolled:
+                return self.body[self.pos[node][1]], out
+            if (node, out) in merged:
+                node, out = merged[(node, out)]
+            return clone[node], out
+
+        region_of_merged = {n for g in self.grads for n in (g[0], *_region(g[0]))}
+        try:
+            for old, node in clone.items():
+                if old in rolled:
+                    continue
+                node.inputs = [self._read(slot, out_of, old in region_of_merged)
+                               for slot in old.inputs]
+                if node.kind is NodeKind.GRAD:
+                    self._grad_copy(old, node, out_of)
+        except KeyError:  # something reads a backward op of a merged region that is no result
+            raise _NotRollable(
+                "a value inside a gradient region through the loop is read") from None
+        for body in self.body:
+            for slot in body.inputs:
+                slot.alts = [(self.body[n.j], out) if isinstance(n, _Pending) else
+                             out_of(n, out) for n, out in slot.alts]
+        head = self.head
+        head.inputs, head.carried = [], []
+        for j, body in enumerate(self.body):  # loop variables: carried or read after the loop
+            for out in range(len(body.out_specs)):
+                if self._read_later(body, out, clone, {clone[n] for n in region_of_merged}):
+                    head.inputs.append(Slot("node", clone[c[p - 1][j]], out))
+                    head.carried.append((body, out))
+        self._edges(clone, merged, dropped)
+        new.nodes = [n for n in [clone.get(n) for n in graph.nodes] if n is not None] + \
+            [head]
+        new.nodes = list(dict.fromkeys(new.nodes))
+        return new, {old: n for old, n in clone.items() if old not in rolled}
+
+    def _read(self, slot, out_of, in_merged_region):
+        """A copy of ``slot`` of a node outside the rolled trips, its producers mapped."""
+        new = copy.copy(slot)
+        if slot.kind not in ("node", "same"):
+            return new
+        from_loop = [(n, out) for n, out in slot.alts if n in self.rolled]
+        if from_loop and not in_merged_region:
+            if slot.kind == "same":
+                raise _NotRollable("a value first read in a rolled trip is read after it")
+            js = {(self.pos[n][1], out) for n, out in from_loop}
+            peeled = [(n, out) for n, out in slot.alts if self.pos.get(n, (-1,))[0] == self.p - 1]
+            if len(js) > 1 or any((self.pos[n][1], out) not in js for n, out in peeled):
+                raise _NotRollable("values of different trips are read after the loop")
+        new.alts = list(dict.fromkeys(out_of(n, out) for n, out in slot.alts))
+        return new
+
+    def _read_later(self, body, out, clone, symbolic):
+        """Whether output ``out`` of the body's node ``body`` must leave a trip: read by the
+        next trip or after the loop (not by the backward ops of a merged gradient region:
+        TF's symbolic gradient replaces them)."""
+        for b in self.body:
+            if any(len(s.alts) > 1 and (body, out) in s.alts for s in b.inputs):
+                return True
+        return any((body, out) in s.alts for n in clone.values()
+                   if n.loop is None and n not in symbolic
+                   for s in n.inputs if s.kind == "node")
+
+    def _grad_copy(self, old, node, out_of):
+        """A gradient region's head in the copy: results, cone and observations mapped; the
+        head kept for a group of regions through the loop reads what any of them read."""
+        node.results = [None if r is None else (r[0],) + tuple(
+            None if q is None else out_of(*q) for q in r[1:]) for r in old.results]
+        group = next((g for g in self.grads if g[0] is old), None)
+        node.cone = {}
+        for g in group or [old]:
+            for (n, k), (kind, producer, out) in g.cone.items():
+                key = (None if n is None else out_of(n, 0)[0], k)
+                node.cone[key] = (kind, *out_of(producer, out))
+        if group is not None:
+            node.rolled = self.key
+            node.observations = []  # TF's symbolic gradient needs no backward feeds
+            for g in group[1:]:
+                if len(g.inputs) != len(node.inputs) or any(
+                        a.kind != b.kind for a, b in zip(g.inputs, node.inputs)):
+                    raise _NotRollable("gradients through the loop differ in their inputs")
+                for slot, other in zip(node.inputs, g.inputs):
+                    slot.alts = list(dict.fromkeys(
+                        slot.alts + [out_of(n, out) for n, out in other.alts]))
+            return
+        if any(s.kind == "feed" for b in _region(old) for s in b.inputs):
+            # backward values are looked up by what was fed before the call: in the copy a
+            # rolled trip's ops stand for every trip, so only regions before the loop keep
+            # their table
+            node.observations = [
+                ([(out_of(n, 0)[0], k, part) for n, k, part in before],
+                 {(out_of(n, 0)[0], k): v for (n, k), v in body.items()})
+                for before, body in old.observations]
+            if any(n in self.rolled for before, _ in old.observations for n, _, _ in before):
+                raise _NotRollable("a gradient after the loop is fed backward values")
+
+    def _edges(self, clone, merged, dropped):
+        """The copy's edges: a trip's ops become the body's, the edge into the first rolled
+        trip enters the loop node, every edge out of a trip's last op leaves the body, edges
+        between rolled trips go (the While goes round), merged gradient regions become one."""
+        c, p, pos, head, body = self.c, self.p, self.pos, self.head, self.body
+        ends = {c[t][-1] for t in range(p - 1, len(c))}
+
+        def end_of(old):
+            if old in self.rolled:
+                return body[pos[old][1]]
+            if old in dropped:  # a merged region: its head and last op stand for the kept one
+                return clone[merged[old]] if old in merged else None
+            return clone[old]
+
+        for old in self.graph.nodes:
+            for s in old.succs:
+                if old in ends and s in pos:  # into the next trip
+                    if pos[old][0] == p - 1:
+                        TraceGraph._link(clone[old], head)
+                    continue
+                a = body[-1] if old in ends else end_of(old)
+                b = end_of(s)
+                if a is not None and b is not None and a is not b:
+                    TraceGraph._link(a, b)
+        TraceGraph._link(head, body[0])
+
+
+class _Pending:
+    """The body's node ``j``, before the body exists (its inputs are classified first)."""
+
+    __slots__ = ("j",)
+
+    def __init__(self, j):
+        self.j = j
+
+
+def _region(head):
+    """The backward ops of the gradient region ``head``, in the graph's order."""
+    body, n = [], head
+    for _ in range(head.body_len):
+        n = n.succs[0]
+        body.append(n)
+    return body
+
