@@ -128,7 +128,8 @@ class _Rolling:
             raise _NotRollable("an input of a trip joins paths")
         kind = slots[0].kind
         if kind in ("var", "resource"):
-            if kind == "var" and len({s.tensor._id for s in slots}) > 1:
+            peeled = c[p - 1][j].inputs[i]
+            if kind == "var" and len({s.tensor._id for s in slots + [peeled]}) > 1:
                 raise _NotRollable("trips read different variables")
             return copy.copy(slots[0])
         choices = None  # the readings consistent with every rolled trip so far
