@@ -357,6 +357,29 @@ def test_a_loop_longer_than_any_trace_co_executes_in_a_while_loop():
                      outcome.explain), outcome.report()
 
 
+def until_the_norm_grows(tape_cls, steps):
+    """A ``while`` loop whose condition reads a value computed in the loop's body: the shared
+    layer runs until the activations' norm has grown by a factor (1.2 to 3, per step), at most
+    8 times. Python fetches the norm in every trip and decides from it whether the While goes
+    on."""
+    def forward(net, x, step):
+        h = net.inp(x)
+        start = float(tf.norm(h))
+        trips = 0
+        while trips < 8 and float(tf.norm(h)) < (1.2 + 0.6 * (step % 4)) * start:
+            h = net.shared(h) + h
+            trips += 1
+        return net.out(h)
+
+    return train(tape_cls, steps, forward)
+
+
+def test_a_while_loop_on_a_value_fetched_in_its_body():
+    outcome = assert_same_as_eager(until_the_norm_grows, 24, max_traces=6,
+                                   expect_fallbacks=(0, 2), min_coexecuted=12, **WHILE_TOLERANCE)
+    assert "1 while loops" in outcome.explain, outcome.report()
+
+
 def older_trip_from(step):
     """A loop of 2 to 5 trips, each adding the value of the previous trip; from ``step`` on,
     the fifth trip adds the value of two trips back instead. In the While that is the same
