@@ -129,7 +129,8 @@ class _Rolling:
         kind = slots[0].kind
         if kind in ("var", "resource"):
             peeled = c[p - 1][j].inputs[i]
-            if kind == "var" and len({s.tensor._id for s in slots + [peeled]}) > 1:
+            if kind == "var" and (peeled.kind != "var" or
+                                  len({s.tensor._id for s in slots + [peeled]}) > 1):
                 raise _NotRollable("trips read different variables")
             return copy.copy(slots[0])
         choices = None  # the readings consistent with every rolled trip so far
@@ -319,6 +320,7 @@ class _Rolling:
                     slot.alts = list(dict.fromkeys(
                         slot.alts + [out_of(n, out) for n, out in other.alts]))
             return
+        node.observations = []  # used only for backward feeds (graph_builder._backward_feeds)
         if any(s.kind == "feed" for b in _region(old) for s in b.inputs):
             # backward values are looked up by what was fed before the call: in the copy a
             # rolled trip's ops stand for every trip, so only regions before the loop keep

@@ -38,8 +38,10 @@ def constant_folding(graph):
 
 
 def feed_and_fetch(g, graph):
-    """The channels of the hand-written trace's feed (``x``) and fetch (``Exp``)."""
-    steps = {n.op_type: graph.steps[n] for n in g.nodes if n.op_type in ("Neg", "Exp")}
+    """The channels of the hand-written trace's feed (``x``) and fetch (``Exp``); ``g``: the
+    TraceGraph, or the graph itself where a loop was rolled (its steps are for a copy)."""
+    nodes = g.steps if g is graph else g.nodes
+    steps = {n.op_type: graph.steps[n] for n in nodes if n.op_type in ("Neg", "Exp")}
     [feed] = [c for c in steps["Neg"].feed if c is not None]
     [fetch] = [c for c in steps["Exp"].fetch if c is not None]
     return steps, feed, fetch
@@ -106,3 +108,43 @@ def test_with_xla_the_compute_ops_run_as_one_compiled_cluster():
         [n.op for n in p.node] for f in metadata.function_graphs for p in f.partition_graphs))
     assert executed.count("_XlaRun") == 1, executed
     assert not {"Neg", "Abs", "Exp", "_UnaryOpsComposition"} & set(executed), executed
+
+
+def loop_trace(trips, value):
+    """``y = Neg(x)``; ``for _ in range(trips): y = Tanh(y)`` (line 5); ``Exp(y)``, read."""
+    recs = [op_at(at(1), "Neg", ext(np.full((4, 3), value)))]
+    for t in range(trips):
+        recs.append(op_at(at(5, t), "Tanh", ("op", len(recs) - 1, 0)))
+    recs.append(op_at(at(9), "Exp", ("op", len(recs) - 1, 0)))
+    recs[-1].fetched.add(0)
+    return recs
+
+
+def test_a_loop_node_is_a_while_that_runs_the_trips_the_loop_cond_asks_for():
+    """Traced with 1 and 2 trips; run by hand with 1, 2 and 5 (more than any trace), putting
+    on the Loop Cond what the PythonRunner puts on the edges it takes."""
+    _, graph = graph_of(loop_trace(1, 0.0), loop_trace(2, 1.0))
+    ops = [op.type for op in graph.function.graph.get_operations()]
+    assert ops.count("While") + ops.count("StatelessWhile") == 1, ops
+    [loop] = graph.loops
+    [peeled] = [graph.steps[n] for n in loop.preds]
+    [body] = graph.steps[loop].body
+    exp = graph.steps[next(n for n in graph.steps if n.op_type == "Exp")]
+    # from the peeled trip and from the body alike: round again (1) or out to Exp (0)
+    for step in (peeled, body):
+        assert step.next == [body, exp], step.next
+        [[(go, on)], [(stop, off)]] = step.puts
+        assert go is stop and (on, off) == (1, 0), step.puts
+    _, feed, fetch = feed_and_fetch(graph, graph)  # the steps are the rolled copy's
+    x = np.full((4, 3), 0.5, np.float32)
+    for trips in (1, 2, 5):
+        feed.put(tf.constant(x))
+        for _ in range(trips - 1):
+            go.put(tf.constant(1, tf.int32))
+        go.put(tf.constant(0, tf.int32))
+        graph.function()
+        expected = -x
+        for _ in range(trips):
+            expected = np.tanh(expected)
+        np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()),
+                                   np.exp(expected), rtol=1e-6)
