@@ -454,8 +454,9 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
     """Build the symbolic graph for every path of the TraceGraph (its compute ops compiled
     with XLA if ``xla``), its loops rolled into While ops (``terra.loops``). ``recorded``:
     gradient regions emitted as their recorded backward ops even where ``_symbolic`` would
-    take TF's symbolic gradient (it failed for them); ``unrolled``: loops left unrolled (by
-    their first trip's nodes: their While failed)."""
+    take TF's symbolic gradient (it failed for them), by node id (the same in every rolled
+    copy); ``unrolled``: loops left unrolled (by their first trip's nodes: their While
+    failed)."""
     graph_name = f"terra_step_{next(_names)}"
     original = tracegraph
     tracegraph, loops = roll(tracegraph, keep=unrolled)
@@ -473,7 +474,7 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
                  for node in [head] + [b.node for b in steps[head].body]}
     symbolic = set()
     for node, step in steps.items():
-        if node not in recorded and _symbolic(step, in_branch):
+        if node.id not in recorded and _symbolic(step, in_branch):
             symbolic.add(node)
         elif step.kind is NodeKind.GRAD and node.rolled:
             return generate(original, xla, recorded, unrolled | {node.rolled})
@@ -752,7 +753,7 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
     except _NotSymbolic as e:
         if e.node.rolled:
             return generate(original, xla, recorded, unrolled | {e.node.rolled})
-        return generate(original, xla, recorded | {e.node}, unrolled)
+        return generate(original, xla, recorded | {e.node.id}, unrolled)
     except _KeepUnrolled as e:
         return generate(original, xla, recorded, unrolled | {e.key})
     fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}

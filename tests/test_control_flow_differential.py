@@ -326,6 +326,18 @@ def test_an_rnn_over_longer_sequences_than_any_trace_co_executes_in_the_while():
     assert "1 while loops" in outcome.explain, outcome.report()
 
 
+def test_where_the_gradient_through_the_while_fails_the_loop_stays_unrolled(monkeypatch):
+    """If TF's symbolic gradient through the While cannot be built, generation starts over with
+    the loop unrolled: every trip count traced still co-executes."""
+    def no_gradient(*args, **kwargs):
+        raise LookupError("no gradient registered (simulated)")
+
+    monkeypatch.setattr("terra.graph_builder.gradients_impl.gradients", no_gradient)
+    outcome = assert_same_as_eager(shared_layer_repeated, 24, max_traces=5,
+                                   expect_fallbacks=(0, 0), min_coexecuted=8)
+    assert "0 while loops" in outcome.explain, outcome.report()
+
+
 # Three trips until step 10, two from then on: the recorded path goes on with a third trip
 # where the iteration has left the loop.
 shrinking_loop = shared_layer_looped(lambda step: 3 if step < 10 else 2)
