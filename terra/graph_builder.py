@@ -88,7 +88,7 @@ class Step:
         self.visits = 0  # iterations that passed this step: the position in its channels
         self.seq = -1  # when the PythonRunner last passed it (its running count of steps)
         self.owner = self  # whose ``seq`` counts for it: a gradient op's is its region's head
-        self.looped = False  # in a loop's body: passed once per trip
+        self.looped = node is not None and node.loop is not None  # passed once per trip
         self.body = []  # GRAD: the steps of its region, which Python skips; LOOP: its body
         # GRAD: the joined inputs of its cone, ((slot, input index of the call or None,
         # producer), ...): the producer each must have taken this iteration
@@ -196,13 +196,11 @@ def _plan(tracegraph):
         last = node
         for _ in range(node.body_len):
             if len(last.succs) != 1:
-                raise NotImplementedError(f"{node.format()}: the gradient region branches")
+                raise NotImplementedError(f"{node.format()}: the region branches")
             last = last.succs[0]
             step.body.append(steps[last])
             if node.kind is NodeKind.GRAD:
                 steps[last].owner = step
-            else:
-                steps[last].looped = True
         if node.kind is NodeKind.GRAD and not node.rolled:
             step.cone_phis = tuple(
                 (slot, k if n is None else None, (p, out))

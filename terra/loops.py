@@ -71,10 +71,9 @@ class _Rolling:
     def __init__(self, graph, trips, key):
         self.graph, self.key = graph, key
         c = self.c = _contiguous(trips)
-        m = self.m = len(c[0])
+        m = len(c[0])
         ends = [t + 1 for t in range(len(c))
                 if any(t + 1 == len(c) or s is not c[t + 1][0] for s in c[t][-1].succs)]
-        self.counts = ends
         p = self.p = ends[0] if ends else len(c)
         if p >= len(c):
             raise _NotRollable("every trace ran the same trips")  # unrolled (the paper too)
@@ -260,9 +259,10 @@ class _Rolling:
                              out_of(n, out) for n, out in slot.alts]
         head = self.head
         head.inputs, head.carried = [], []
+        later = self._read_later(clone, {clone[n] for n in region_of_merged})
         for j, body in enumerate(self.body):  # loop variables: carried or read after the loop
             for out in range(len(body.out_specs)):
-                if self._read_later(body, out, clone, {clone[n] for n in region_of_merged}):
+                if (body, out) in later:
                     head.inputs.append(Slot("node", clone[c[p - 1][j]], out))
                     head.carried.append((body, out))
         self._edges(clone, merged, dropped)
@@ -287,16 +287,14 @@ class _Rolling:
         new.alts = list(dict.fromkeys(out_of(n, out) for n, out in slot.alts))
         return new
 
-    def _read_later(self, body, out, clone, symbolic):
-        """Whether output ``out`` of the body's node ``body`` must leave a trip: read by the
-        next trip or after the loop (not by the backward ops of a merged gradient region:
-        TF's symbolic gradient replaces them)."""
-        for b in self.body:
-            if any(len(s.alts) > 1 and (body, out) in s.alts for s in b.inputs):
-                return True
-        return any((body, out) in s.alts for n in clone.values()
-                   if n.loop is None and n not in symbolic
-                   for s in n.inputs if s.kind == "node")
+    def _read_later(self, clone, symbolic):
+        """The outputs ``(body node, out)`` that must leave a trip: read by the next trip (a
+        phi in the body) or after the loop (not by the backward ops of a merged gradient
+        region: TF's symbolic gradient replaces them)."""
+        later = {alt for b in self.body for s in b.inputs if len(s.alts) > 1 for alt in s.alts}
+        later.update(alt for n in clone.values() if n.loop is None and n not in symbolic
+                     for s in n.inputs if s.kind == "node" for alt in s.alts)
+        return later
 
     def _grad_copy(self, old, node, out_of):
         """A gradient region's head in the copy: results, cone and observations mapped; the
