@@ -1,13 +1,15 @@
 """Terra: imperative-symbolic co-execution for TensorFlow 2 training loops.
 
-Swap ``tf.GradientTape`` for :class:`TerraGradientTape`; nothing else in the loop changes.
+Swap ``tf.GradientTape`` for :class:`TerraGradientTape`, or call :func:`enable` to put Terra
+behind ``tf.GradientTape`` for code you cannot edit; nothing else in the loop changes.
 """
 
 import tensorflow as tf
 
 from terra.runtime import configure, explain, reset, stats
-from terra.tape import TerraGradientTape
+from terra.tape import TerraGradientTape, disable, enable, enabled
 
 tf.TerraGradientTape = TerraGradientTape
 
-__all__ = ["TerraGradientTape", "configure", "explain", "reset", "stats"]
+__all__ = ["TerraGradientTape", "configure", "disable", "enable", "enabled", "explain", "reset",
+           "stats"]

@@ -25,6 +25,8 @@ class Config:
       xla: compile the pure-compute parts of the symbolic graph with XLA (``TERRA_XLA``).
       lazy: serialize the two runners: the graph of an iteration starts only when Python
         needs one of its values or the iteration ends (``TERRA_LAZY``; the paper's LazyEval).
+      strict: Terra's own failures raise instead of turning into eager execution
+        (``TERRA_STRICT``; for Terra's tests).
       check: run ``TraceGraph.lint()`` after every merge (``TERRA_CHECK``).
       timeout: seconds any wait between the runners may take before it raises
         (``TERRA_TIMEOUT``).
@@ -49,6 +51,7 @@ class Config:
     xla: bool = False
     lazy: bool = False
     check: bool = False
+    strict: bool = False
     freeze_gc: bool = True
     timeout: float = 120.0
     warmup: int = 1
@@ -62,6 +65,7 @@ class Config:
             xla=_env_flag("TERRA_XLA"),
             lazy=_env_flag("TERRA_LAZY"),
             check=_env_flag("TERRA_CHECK"),
+            strict=_env_flag("TERRA_STRICT"),
             freeze_gc=_env_flag("TERRA_FREEZE_GC", default=True),
             timeout=float(os.environ.get("TERRA_TIMEOUT", "120")),
         )

@@ -12,6 +12,7 @@ from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import constant_op, dtypes, errors
 from tensorflow.python.util import nest
 
+from terra import opdefs
 from terra.tracegraph import NodeKind
 
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
@@ -41,10 +42,14 @@ def restore(job, timeout):
                               ("dtype", dtype, "validate_shape", False), ctx)
 
 
-def _flat_attrs(attrs):
+def _flat_attrs(op_type, attrs):
+    """Recorded attrs as the flat tuple eager execution takes, every defaulted attr spelled
+    out: the tape hands gradient functions an op built from exactly these attrs, and a
+    gradient function may read any of them (``_BiasAddGrad`` reads ``data_format``)."""
+    given = {name: value for name, value in attrs if value is not None}
     flat = []
-    for name, value in attrs:
-        if value is not None:  # an attr left at its default
+    for name, value in {**opdefs.defaults(op_type), **given}.items():
+        if value is not None:
             flat.extend((name, list(value) if isinstance(value, tuple) else value))
     return tuple(flat)
 
@@ -86,13 +91,13 @@ def _replay(log, recorder, tapes):
             elif step.python:
                 recorder.record_op(node.op_type, [_tensor(_real(x), s) for x, s in
                                                   zip(inputs, step.slots)],
-                                   _flat_attrs(node.attrs), outs)
+                                   _flat_attrs(node.op_type, node.attrs), outs)
             else:
                 stopped = extra  # recording was paused when Python issued it
                 args = [_tensor(_real(x), s) for x, s in zip(inputs, step.slots)]
                 if not stopped:
                     watch_read(tapes, node.op_type, args[0] if args else None)
-                attrs = _flat_attrs(node.attrs)
+                attrs = _flat_attrs(node.op_type, node.attrs)
                 try:
                     results = execute.execute_with_callbacks(
                         node.op_type, len(node.out_specs), args, attrs, ctx)

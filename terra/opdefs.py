@@ -154,6 +154,33 @@ def attr_value(kind: str, value) -> attr_value_pb2.AttrValue:
     return a
 
 
+def _from_proto(a):
+    """An OpDef default ``AttrValue`` -> the plain value an eager op wrapper would pass."""
+    which = a.WhichOneof("value")
+    if which == "list":
+        lst = a.list
+        for field in ("s", "i", "f", "b", "type"):
+            values = getattr(lst, field)
+            if values:
+                return list(values)
+        return []
+    if which == "shape":
+        return None if a.shape.unknown_rank else [d.size for d in a.shape.dim]
+    if which == "tensor":
+        return a.tensor
+    return getattr(a, which) if which else None
+
+
+@functools.cache
+def defaults(op_type: str) -> dict:
+    """The op's attrs that have default values, as eager op wrappers pass them."""
+    op_def = info(op_type).op_def
+    if op_def is None:
+        return {}
+    return {a.name: _from_proto(a.default_value) for a in op_def.attr
+            if a.HasField("default_value")}
+
+
 def attr_protos(op_type, attrs):
     """Recorded ``(name, value)`` attrs as the AttrValue protos ``Graph.create_op`` takes."""
     types = info(op_type).attr_types

@@ -104,7 +104,9 @@ class Entry:
         runner = self.runner
         try:
             value = runner.value_of(self)
-        except (Mismatch, GraphFailed) as why:
+        except IterationAborted:
+            raise
+        except Exception as why:  # noqa: BLE001 - a mismatch, a graph error or Terra's own
             runner.fallback(why)  # replays the iteration so far; raises the op's error if any
             value = self.value
             if value is None:
@@ -144,7 +146,7 @@ class PythonRunner:
         self.original_numpy = original_numpy
         self.watchdog = watchdog
         self.timeout = timeout
-        self.fallback = fallback  # runtime callback: (Mismatch | GraphFailed) -> None
+        self.fallback = fallback  # runtime callback: leave co-execution because of an error
         self.start = start  # submits a job to the GraphRunner (a no-op once submitted)
         self.ctx = context.context()
         self.device = self.ctx.device_name or "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -202,7 +204,12 @@ class PythonRunner:
                     for a in inputs]
             return self._run_python(step, _flatten(info, real),
                                     ORIGINAL_FAST(ctx, op_type, name, *real, *attrs))
-        outs = self._run(step, flat)
+        try:
+            outs = self._run(step, flat)
+        except GraphFailed as failed:
+            if failed.ran:
+                failed.result = _pack_fast(info, step, failed.result)
+            raise
         plan = step.pack
         if plan == "one":
             return outs[0]
@@ -226,7 +233,7 @@ class PythonRunner:
             raise Mismatch(f"tape {what} with different settings", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
         self.it.log.append((step, inputs, (), extra))
-        self._move(step)
+        self._logged_move(step, None)
 
     def gradient(self, attrs, tensors, extra):
         """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""
@@ -266,7 +273,7 @@ class PythonRunner:
         for body_step in step.body:  # the graph fills their channels whether or not Python looks
             if body_step.has_fetch:
                 self._visit(body_step)
-        self._move(step)
+        self._logged_move(step, flat)
         return flat
 
     def _grad_fits(self, step, tensors):
@@ -294,6 +301,16 @@ class PythonRunner:
         if step.next[0] is None and len(step.next) == 1:
             self._take(step, 0)
             self._path_end()
+
+    def _logged_move(self, step, result):
+        """:meth:`_move` for a step already in the iteration's log. If the graph fails at this
+        path's end, the replay runs the step: the caller must hand Python ``result`` (the
+        stand-ins now hold the replayed values), not run the op a second time."""
+        try:
+            self._move(step)
+        except GraphFailed as failed:
+            failed.ran, failed.result = True, result
+            raise
 
     def _take(self, step, i):
         """Python goes from ``step`` to its successor ``i``: feed the Case Selects of the
@@ -619,7 +636,7 @@ class PythonRunner:
         # extra: whether gradient recording was paused (tf.stop_gradient): a replay must not
         # put the op on the tape either
         self.it.log.append((step, inputs, entries, _tape_stopped()))
-        self._move(step)
+        self._logged_move(step, outs)
         return outs
 
     def _fetched(self, e):
@@ -637,7 +654,7 @@ class PythonRunner:
         for o in outs:
             flat_outs.extend(o if isinstance(o, (list, tuple)) else [o])
         self.it.log.append((step, inputs, flat_outs, None))
-        self._move(step)
+        self._logged_move(step, result)
         relaxed = step.node.out_relaxed
         if len(flat_outs) != len(relaxed):
             raise RanThenMismatch(f"{step.op_type} {step.node!r} returned {len(flat_outs)} "
@@ -774,6 +791,8 @@ class GraphFailed(Exception):
         super().__init__(str(job.error))
         self.job = job
         self.at_end = False
+        self.ran = False  # the step being matched is in the log: the replay runs it
+        self.result = None  # then, what Python gets for it
 
 
 def _bad(step, i, what, category="new producer"):

@@ -9,9 +9,12 @@ Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first 
 
 import dataclasses
 import gc
+import threading
+import traceback
 
 from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
+from tensorflow.python.eager.core import _FallbackException
+from tensorflow.python.framework import errors, ops
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
@@ -75,7 +78,10 @@ class TracingDoor:
         if isinstance(a, _Variable):
             return a.value()
         if isinstance(a, (list, tuple)) and _tensors:
-            return type(a)(self._arg(x) for x in a)
+            items = [self._arg(x) for x in a]
+            if all(x is y for x, y in zip(items, a)):
+                return a
+            return _rebuilt(a, items)
         return a
 
     def fast(self, ctx, op_type, name, args):
@@ -99,6 +105,19 @@ class TracingDoor:
         return interception.ORIGINAL_SLOW(op_type, num_outputs, inputs, attrs, ctx, name)
 
 
+def _rebuilt(seq, items):
+    """``seq`` with ``items`` in place of its elements. A plain list or tuple keeps its type, a
+    namedtuple is rebuilt field by field; any other subclass (tf_keras's ``ListWrapper``,
+    whose constructor wraps rather than copies) becomes a plain list or tuple, which is what
+    TF's conversion makes of it anyway."""
+    kind = type(seq)
+    if kind is list or kind is tuple:
+        return kind(items)
+    if isinstance(seq, tuple):
+        return kind(*items) if hasattr(seq, "_fields") else tuple(items)
+    return items
+
+
 class CoexecDoor:
     """Handler during co-execution: the PythonRunner, with fallback on any mismatch."""
 
@@ -112,6 +131,10 @@ class CoexecDoor:
         except (Mismatch, GraphFailed) as why:
             if rt.recover(why):
                 return why.result
+        except _FallbackException:  # the op wrapper takes its slow path, through the doors
+            raise
+        except Exception as err:  # noqa: BLE001 - Terra's own failure: this op runs eagerly
+            rt.fail_safe(err)
         fallback_lib.watch_read(rt.open_tapes, op_type, args[0] if args else None)
         return rt.tracing_door.fast(ctx, op_type, name, args)
 
@@ -122,6 +145,8 @@ class CoexecDoor:
         except (Mismatch, GraphFailed) as why:
             if rt.recover(why):
                 return why.result
+        except Exception as err:  # noqa: BLE001 - Terra's own failure: this op runs eagerly
+            rt.fail_safe(err)
         fallback_lib.watch_read(rt.open_tapes, opdefs.op_name(op_type),
                                 inputs[0] if inputs else None)
         return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
@@ -144,6 +169,7 @@ class Runtime:
         self.events = []  # fallbacks and other notes for explain()
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
         self.ctx = context.context()
+        self.owner = threading.get_ident()
         self._graph_runner = None
         self._watchdog = None
         self.tracing_door = TracingDoor(self)
@@ -184,7 +210,7 @@ class Runtime:
             self.recorder.mark("enter", attrs)
 
     def tape_exit(self, tape, failed):
-        if self.phase == "coexecution" and failed:
+        if self.coexecuting() and failed:
             self.leave(Mismatch("exception raised by user code", "user exception"))
         if failed and self.recorder is not None:
             self.recorder.aborted = True  # an iteration that raised is never merged
@@ -242,11 +268,17 @@ class Runtime:
             interception.set_handler(self.coexec_door)
 
     def _end_iteration(self):
-        if self.phase == "coexecution" and self.runner.it is not None:
-            if not self.runner.at_end():
-                self.leave(Mismatch("the iteration ended before the recorded one did", "early end"))
-            else:
-                self._close_iteration()
+        try:
+            if self.coexecuting():
+                if not self.runner.at_end():
+                    self.leave(Mismatch("the iteration ended before the recorded one did",
+                                        "early end"))
+                else:
+                    self._close_iteration()
+        except (GraphFailed, errors.OpError):  # the user's error, reproduced eagerly
+            raise
+        except Exception as err:  # noqa: BLE001 - Terra's own failure
+            self.fail_safe(err)
         if self.phase == "tracing" and self.recorder is not None:
             self._finish_trace()
 
@@ -297,7 +329,16 @@ class Runtime:
             return
         if len(rec.records) > config.max_trace_ops:
             return
-        covered, _ = self.tracegraph.merge(rec.records)
+        if rec.broken is not None:
+            self.events.append(("Terra error while tracing (trace dropped)", rec.broken, None))
+            return
+        try:
+            covered, _ = self.tracegraph.merge(rec.records)
+        except Exception as err:  # noqa: BLE001 - the TraceGraph may be half-merged: stop
+            if config.strict:
+                raise
+            self._give_up(f"Terra error while merging a trace: {type(err).__name__}: {err}")
+            return
         self.stats.traces += 1
         if config.check:
             self.tracegraph.lint()
@@ -323,7 +364,7 @@ class Runtime:
         if self.runner is not None:  # stall time of earlier graphs
             self.stats.python_stall += self.runner.stall_time
         self.runner = PythonRunner(self.graph, _tensors, _original_numpy, self._watchdog,
-                                   config.timeout, self.leave, self.graph_runner.submit,
+                                   config.timeout, self.fall_back, self.graph_runner.submit,
                                    self.sites)
         self.phase = "coexecution"
         if config.freeze_gc:  # what generation left behind is collected now, not mid-run
@@ -336,24 +377,72 @@ class Runtime:
         self.events.append(("eager", reason, None))
         self.phase = "eager"
 
+    def step_aside(self, tape, what):
+        """``tape.<what>`` runs on the real tape: leave co-execution if in it (the replay
+        re-enters the real tapes), and do not merge this iteration's trace (the method's ops
+        are not a gradient region Terra could skip)."""
+        if self.phase == "coexecution" and self.runner.it is not None:
+            self.leave(Mismatch(f"tape.{what} runs on the real tape", "unsupported"))
+        if self.recorder is not None:
+            if not self.recorder.aborted:
+                self.events.append(("trace not merged", f"tape.{what} was called",
+                                    user_location()))
+            self.recorder.aborted = True
+
     # -- leaving co-execution -------------------------------------------------------------
     def _coexec(self, fn):
-        """Run a PythonRunner step; on mismatch fall back and return None."""
+        """Run a PythonRunner step; on mismatch (or Terra's own failure) fall back and return
+        None."""
         try:
             result = fn()
             return True if result is None else result
         except (Mismatch, GraphFailed) as m:
-            self.leave(m)
+            if self.coexecuting():
+                self.leave(m)
+            if getattr(m, "ran", False):  # the replay ran the step: it must not run again
+                return True if m.result is None else m.result
             return None
+        except Exception as err:  # noqa: BLE001 - Terra's own failure: run it eagerly
+            self.fail_safe(err)
+            return None
+
+    def fall_back(self, why):
+        """Leave co-execution because of ``why``: a mismatch or graph error (if still in the
+        iteration), or any other exception, which is Terra's own failure (:meth:`fail_safe`)."""
+        if not isinstance(why, (Mismatch, GraphFailed)):
+            self.fail_safe(why)
+        elif self.coexecuting():
+            self.leave(why)
+
+    def coexecuting(self) -> bool:
+        """Whether an iteration is being co-executed now (not yet left, not yet closed)."""
+        return self.phase == "coexecution" and self.runner.it is not None
+
+    def fail_safe(self, err):
+        """Terra's own machinery raised ``err`` (a bug, never the user's error): leave
+        co-execution if in it, so the iteration goes on eagerly with eager's numbers, and
+        note it with Terra's traceback for ``explain()``. ``TERRA_STRICT`` re-raises."""
+        if config.strict:
+            raise err
+        why = Mismatch(f"Terra error {type(err).__name__}: {err}\n"
+                       + "".join(traceback.format_exception(err, limit=-4)).rstrip(),
+                       "terra error")
+        if self.coexecuting():
+            self.leave(why)
+        else:
+            self.events.append(("Terra error (ran eagerly)", why.reason, user_location()))
 
     def recover(self, why) -> bool:
         """Leave co-execution after a failed runner step; True if the op already ran (its
         result is ``why.result``), False if the caller must now run it eagerly."""
+        ran = isinstance(why, RanThenMismatch) or getattr(why, "ran", False)
+        if not self.coexecuting():  # left already, by an op this one issued (a variable read)
+            return ran
         if isinstance(why, PathEnded):
             self.path_ended(why)
             return False
         self.leave(why)
-        return isinstance(why, RanThenMismatch)
+        return ran
 
     def leave(self, why):
         """Fallback (paper §3.2.1): cancel, restore, replay the matched prefix, trace on.
@@ -410,8 +499,10 @@ class Runtime:
     def value(self, entry):
         try:
             return entry.runner.value_of(entry)
-        except (Mismatch, GraphFailed) as why:
-            self.leave(why)
+        except IterationAborted:
+            raise
+        except Exception as why:  # noqa: BLE001 - a mismatch, a graph error or Terra's own
+            self.fall_back(why)
             if entry.value is None:
                 raise IterationAborted(f"Terra: a value of an abandoned iteration was used "
                                        f"at {user_location()}") from why
@@ -473,6 +564,17 @@ def _handle_or_self(x):
 
 
 _runtime = None
+_plain_notes: dict = {}  # why a tape acted as a plain GradientTape -> how many times
+
+
+def owner_thread():
+    """The thread whose training loop Terra runs (the one that built the runtime), if any."""
+    return _runtime.owner if _runtime is not None else None
+
+
+def note_plain(why):
+    """A Terra tape acts as a plain GradientTape; ``explain()`` says why and how often."""
+    _plain_notes[why] = _plain_notes.get(why, 0) + 1
 
 
 def get() -> Runtime:
@@ -494,6 +596,7 @@ def reset():
     if _runtime is not None:
         _runtime.shutdown()
     _runtime = None
+    _plain_notes.clear()
 
 
 def configure(**switches):
@@ -507,14 +610,17 @@ def configure(**switches):
 def explain() -> str:
     """A human-readable report: the TraceGraph, the phase, and every fallback."""
     rt = _runtime
+    plain = [f"{n} time(s) a tape ran as a plain tf.GradientTape: {why}"
+             for why, n in _plain_notes.items()]
     if rt is None:
-        return "Terra has not run yet."
+        return "\n".join(["Terra has not run yet.", *plain])
     s = rt.snapshot_stats()
     lines = [f"Terra: {s.iterations} iterations, {s.traces} traces, {s.fallbacks} fallbacks, "
              f"{s.graph_generations} graph generations, {s.coexecuted} co-executed; "
              f"phase {s.phase}"]
     if rt.unsupported:
         lines.append(f"running eagerly because {rt.unsupported}")
+    lines.extend(plain)
     for what, reason, loc in rt.events:
         where = f" at {loc.file}:{loc.line}" if loc else ""
         lines.append(f"{what}{where}: {reason}")

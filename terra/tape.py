@@ -1,58 +1,142 @@
-"""``TerraGradientTape``: the one line a user changes.
+"""``TerraGradientTape``: the one line a user changes, and :func:`enable` for code they cannot.
 
-During tracing it drives a real ``tf.GradientTape`` and records its events; during
-co-execution the real tape is not entered at all (no op reaches TF), and ``gradient`` returns
-stand-ins for the recorded backward pass. After a fallback the real tape is re-entered and
-the replayed ops are recorded on it.
+A ``TerraGradientTape`` *is* a ``tf.GradientTape`` (a subclass, so ``isinstance`` checks in
+Keras and other libraries hold), but its recording is done by a private real tape that Terra
+drives: during tracing it is entered and its events recorded; during co-execution it is not
+entered at all (no op reaches TF) and ``gradient`` returns stand-ins for the recorded backward
+pass; after a fallback it is re-entered and the replayed ops are recorded on it.
+
+Terra keeps its own reference to TensorFlow's class (``RealGradientTape``), so putting Terra
+behind ``tf.GradientTape`` (:func:`enable`) never makes Terra construct itself.
+
+A tape steps aside and acts as a plain ``tf.GradientTape`` where co-execution cannot serve it:
+inside a ``tf.function`` being traced, in a thread other than the one running the training
+loop, and under a ``tf.distribute`` strategy (replica threads issue ops Terra would not see).
 """
 
-import tensorflow as tf
+import contextlib
+import sys
+import threading
+
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.eager import backprop, context
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
 from terra import runtime
 from terra.config import config
 
+RealGradientTape = backprop.GradientTape
 
-class TerraGradientTape:
-    """Drop-in replacement for ``tf.GradientTape`` (same constructor, ``watch``,
-    ``gradient``). With ``TERRA_DISABLE=1`` the constructor returns a plain GradientTape."""
+
+def _why_plain():
+    """Why a tape entered now must act as a plain GradientTape, or None."""
+    if not context.executing_eagerly():
+        return "a tape inside a tf.function being traced"
+    if distribute_lib.has_strategy():
+        return "a tape under a tf.distribute strategy (its replicas run in their own threads)"
+    owner = runtime.owner_thread()
+    if owner is not None and owner != threading.get_ident():
+        return "a tape in another thread than the training loop's"
+    return None
+
+
+class TerraGradientTape(RealGradientTape):
+    """Drop-in replacement for ``tf.GradientTape``: same constructor and API. With
+    ``TERRA_DISABLE=1`` the constructor returns a plain GradientTape."""
 
     def __new__(cls, persistent=False, watch_accessed_variables=True):
         if config.disable:
-            return tf.GradientTape(persistent, watch_accessed_variables)
+            return RealGradientTape(persistent, watch_accessed_variables)
         return super().__new__(cls)
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
-        self.persistent = persistent
-        self.watch_accessed_variables = watch_accessed_variables
+        # The base state stays unused (every method below is Terra's); it is initialised so
+        # that code poking at GradientTape internals finds a consistent, empty tape.
+        super().__init__(persistent, watch_accessed_variables)
         self.mark_attrs = (bool(persistent), bool(watch_accessed_variables))
         self.real = None
+        self.plain = False  # acting as a plain tape for the current ``with``
 
     def __enter__(self):
-        runtime.get().tape_enter(self)
+        why = _why_plain()
+        self.plain = why is not None
+        if self.plain:
+            runtime.note_plain(why)
+            self.enter_real()
+        else:
+            runtime.get().tape_enter(self)
         return self
 
     def __exit__(self, typ, value, tb):
-        runtime.get().tape_exit(self, typ is not None)
+        if self.plain:
+            self.exit_real()
+        else:
+            runtime.get().tape_exit(self, typ is not None)
         return False
 
     def watch(self, tensor):
+        if self.plain:
+            return self.real.watch(tensor)
         runtime.get().tape_watch(self, nest.flatten(tensor))
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=UnconnectedGradients.NONE):
+        if self.plain:
+            return self.real.gradient(target, sources, output_gradients, unconnected_gradients)
         return runtime.get().tape_gradient(self, target, sources, output_gradients,
                                            unconnected_gradients)
 
+    # -- the rest of the GradientTape API: on the real tape, leaving co-execution first -----
+    def _on_real(self, what):
+        """The real tape, for a method the graph cannot serve: in co-execution the iteration
+        falls back first (the replay re-enters the real tape), and the trace of an iteration
+        that used it is not merged (its ops are not one gradient region)."""
+        if not self.plain:
+            runtime.get().step_aside(self, what)
+        if self.real is None:
+            raise ValueError(f"GradientTape.{what} is only valid once the tape was entered")
+        return self.real
+
+    def jacobian(self, target, sources, unconnected_gradients=UnconnectedGradients.NONE,
+                 parallel_iterations=None, experimental_use_pfor=True):
+        return self._on_real("jacobian").jacobian(
+            target, sources, unconnected_gradients, parallel_iterations,
+            experimental_use_pfor)
+
+    def batch_jacobian(self, target, source, unconnected_gradients=UnconnectedGradients.NONE,
+                       parallel_iterations=None, experimental_use_pfor=True):
+        return self._on_real("batch_jacobian").batch_jacobian(
+            target, source, unconnected_gradients, parallel_iterations,
+            experimental_use_pfor)
+
+    @contextlib.contextmanager
+    def stop_recording(self):
+        with self._on_real("stop_recording").stop_recording():
+            yield
+
+    def reset(self):
+        self._on_real("reset").reset()
+
+    def watched_variables(self):
+        return self._on_real("watched_variables").watched_variables()
+
     # -- used by the runtime ----------------------------------------------------------------
     def enter_real(self):
-        self.real = tf.GradientTape(self.persistent, self.watch_accessed_variables)
+        self.real = RealGradientTape(self.persistent, self.watch_accessed_variables)
         self.real.__enter__()
 
     def exit_real(self):
         if self.real is not None and self.real._recording:
             self.real.__exit__(None, None, None)
+
+    @property
+    def persistent(self):
+        return self._persistent
+
+    @property
+    def watch_accessed_variables(self):
+        return self._watch_accessed_variables
 
     def traced_gradient(self, target, sources, output_gradients, unconnected, attrs=None):
         """Run the real backward pass as one recorded gradient region."""
@@ -68,10 +152,54 @@ class TerraGradientTape:
         recorder.end_grad(index, nest.flatten(result))
         return result
 
-    def __getattr__(self, name):
-        # Less common GradientTape methods (jacobian, stop_recording, ...) act on the real
-        # tape; in co-execution there is none, so they are not available there yet.
-        real = self.__dict__.get("real")
-        if real is None:
-            raise AttributeError(f"TerraGradientTape.{name} is only available while tracing")
-        return getattr(real, name)
+
+# -- global enablement ------------------------------------------------------------------
+_patched = []  # (module, previous value) while enabled
+_lock = threading.Lock()
+
+
+def enable():
+    """Put Terra behind ``tf.GradientTape`` for code you cannot edit (Keras' ``train_step``,
+    tf_keras, third-party trainers, ``optimizer.minimize``).
+
+    Every public module attribute ``GradientTape`` that is TensorFlow's class (``tf``,
+    ``tf.compat.v2``, ``tf.autodiff``, and user modules that imported the name) becomes
+    :class:`TerraGradientTape`. TensorFlow's own internals keep the real class. Idempotent;
+    undone by :func:`disable`."""
+    with _lock:
+        if _patched:
+            return
+        for name, module in list(sys.modules.items()):
+            if module is None or name.startswith(("tensorflow.python.", "terra")):
+                continue
+            try:
+                found = vars(module).get("GradientTape")
+            except TypeError:
+                continue
+            if found is RealGradientTape:
+                module.GradientTape = TerraGradientTape
+                _patched.append((module, found))
+
+
+def disable():
+    """Give ``tf.GradientTape`` back to TensorFlow (tapes already created keep working)."""
+    with _lock:
+        while _patched:
+            module, previous = _patched.pop()
+            module.GradientTape = previous
+
+
+def is_enabled() -> bool:
+    return bool(_patched)
+
+
+@contextlib.contextmanager
+def enabled():
+    """``with terra.enabled():`` Terra behind ``tf.GradientTape`` inside the block only."""
+    was = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was:
+            disable()

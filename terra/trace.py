@@ -18,11 +18,13 @@ Materializations (fetch points) and tensors still alive when the iteration ends 
 recorded on the producing record.
 """
 
+import traceback
 import weakref
 
 from tensorflow.python.framework import dtypes
 
 from terra import opdefs
+from terra.config import config
 from terra.location import Sites, user_location
 
 _RESOURCE = dtypes.resource.as_datatype_enum
@@ -88,6 +90,7 @@ class Recorder:
         self.override = None  # replay: (location, site) of the original op
         self.region_site = None  # inside a gradient region: the site of its head
         self.custom_gradients = 0  # tf.custom_gradient functions run (interception._record)
+        self.broken = None  # Terra's own traceback if recording failed: the trace is dropped
 
     # -- refs ---------------------------------------------------------------------------
     def ref(self, t):
@@ -139,8 +142,15 @@ class Recorder:
         return rec
 
     def callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if graph is None:  # ops added to a graph (a user tf.function being traced) are not ours
+        if graph is not None or self.broken is not None:
+            return  # ops added to a graph (a user tf.function being traced) are not ours
+        try:
             self.record_op(op_type, inputs, attrs, outputs)
+        except Exception as err:  # noqa: BLE001 - Terra's failure must not fail the user's op
+            if config.strict:
+                raise
+            self.broken = "".join(traceback.format_exception(err, limit=-4)).rstrip()
+            self.aborted = True
 
     def swap(self, x):
         """A stand-in whose value is known -> that value (used when replaying)."""
