@@ -8,11 +8,10 @@ re-enter the real tapes, and gradient calls run the real ``tape.gradient``. Ever
 handed to Python gets its real value.
 """
 
-from tensorflow.python.eager import context, execute
+from tensorflow.python.eager import context, execute, record
 from tensorflow.python.framework import constant_op, dtypes, errors
 from tensorflow.python.util import nest
 
-from terra import opdefs
 from terra.tracegraph import NodeKind
 
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
@@ -42,19 +41,19 @@ def restore(job, timeout):
                               ("dtype", dtype, "validate_shape", False), ctx)
 
 
-def _flat_attrs(op_type, attrs):
-    """Recorded attrs as the flat tuple eager execution takes, every defaulted attr spelled
-    out: the tape hands gradient functions an op built from exactly these attrs, and a
-    gradient function may read any of them (``_BiasAddGrad`` reads ``data_format``)."""
-    given = {name: value for name, value in attrs if value is not None}
+def _flat_attrs(attrs):
+    """Recorded attrs (every defaulted one spelled out, ``opdefs.normalize_attrs``) as the
+    flat tuple eager execution takes: the tape hands gradient functions an op built from
+    exactly these, and a gradient function may read any attr (``_BiasAddGrad`` reads
+    ``data_format``)."""
     flat = []
-    for name, value in {**opdefs.defaults(op_type), **given}.items():
-        if value is not None:
+    for name, value in attrs:
+        if value is not None:  # a shape of unknown rank: left at its default
             flat.extend((name, list(value) if isinstance(value, tuple) else value))
     return tuple(flat)
 
 
-def replay(log, recorder, open_tapes):
+def replay(log, recorder, open_tapes, customs=()):
     """Re-execute a co-executed prefix eagerly, recording it into ``recorder``.
 
     A replay that raises (a graph-side error reproduced at its op) stops short of the exit
@@ -63,7 +62,7 @@ def replay(log, recorder, open_tapes):
     or they would stay on TF's tape stack, recording and keeping alive every later op."""
     tapes = []  # Terra tapes the replay has re-entered, innermost last
     try:
-        _replay(log, recorder, tapes)
+        _replay(log, recorder, tapes, list(customs))
     except BaseException:
         for tape in reversed(tapes):
             if not any(tape is t for t in open_tapes):
@@ -71,10 +70,13 @@ def replay(log, recorder, open_tapes):
         raise
 
 
-def _replay(log, recorder, tapes):
+def _replay(log, recorder, tapes, customs):
     ctx = context.context()
     issued = {}  # call stack -> ops replayed from it: a loop body's op occurs once per trip
-    for step, inputs, outs, extra in log:
+    customs.reverse()
+    for index, (step, inputs, outs, extra) in enumerate(log):
+        while customs and customs[-1][0] == index:
+            _replay_custom(*customs.pop()[1:])
         node = step.node
         sid = node.site[0] if node.site else None
         n = issued[sid] = issued.get(sid, -1) + 1
@@ -91,13 +93,13 @@ def _replay(log, recorder, tapes):
             elif step.python:
                 recorder.record_op(node.op_type, [_tensor(_real(x), s) for x, s in
                                                   zip(inputs, step.slots)],
-                                   _flat_attrs(node.op_type, node.attrs), outs)
+                                   _flat_attrs(node.attrs), outs)
             else:
                 stopped = extra  # recording was paused when Python issued it
                 args = [_tensor(_real(x), s) for x, s in zip(inputs, step.slots)]
                 if not stopped:
                     watch_read(tapes, node.op_type, args[0] if args else None)
-                attrs = _flat_attrs(node.op_type, node.attrs)
+                attrs = _flat_attrs(node.attrs)
                 try:
                     results = execute.execute_with_callbacks(
                         node.op_type, len(node.out_specs), args, attrs, ctx)
@@ -110,6 +112,15 @@ def _replay(log, recorder, tapes):
                     entry.value = r
         finally:
             recorder.override = None
+    for custom in reversed(customs):  # recorded after the last matched step
+        _replay_custom(*custom[1:])
+
+
+def _replay_custom(op_type, outputs, inputs, backward):
+    """Put a custom gradient back on the tapes, over the replayed outputs it was recorded for
+    (eager recorded it right after the ops that produced them)."""
+    record.record_operation(op_type, [_real(x) for x in outputs], [_real(x) for x in inputs],
+                            backward)
 
 
 def _real(x):

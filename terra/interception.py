@@ -48,7 +48,7 @@ def _record(op_type, output_tensors, input_tensors, backward_function,
     of those ops is then not the tape's)."""
     h = _handler
     if h is not None and _get_ident() == _owner:
-        h.custom_gradient()
+        h.custom_gradient(op_type, output_tensors, input_tensors, backward_function)
     return ORIGINAL_RECORD(op_type, output_tensors, input_tensors, backward_function,
                            forward_function)
 

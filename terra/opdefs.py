@@ -94,21 +94,19 @@ def _norm(kind: str, value):
 
 
 def normalize_attrs(op_type: str, flat) -> tuple:
-    """Flat ``(name, value, ...)`` eager attrs -> sorted hashable ``((name, value), ...)``.
-    An attr given as None is left at its default, as if not given (a replayed op is issued
-    without it, and must match the node it replays)."""
-    if not flat:
-        return ()
+    """Flat ``(name, value, ...)`` eager attrs -> sorted hashable ``((name, value), ...)``,
+    with every attr that has a default spelled out: an attr given as None or not given is at
+    its default, and the same op issued either way (a replayed op spells out its defaults: a
+    gradient function may read any attr) must normalize the same."""
     types = info(op_type).attr_types
-    pairs = []
-    for i in range(0, len(flat), 2):
+    pairs = dict(normalized_defaults(op_type))
+    for i in range(0, len(flat or ()), 2):
         if flat[i + 1] is None:
             continue
         name = op_name(flat[i])
         kind = types.get(name)
-        pairs.append((name, _norm(kind, flat[i + 1]) if kind else flat[i + 1]))
-    pairs.sort()
-    return tuple(pairs)
+        pairs[name] = _norm(kind, flat[i + 1]) if kind else flat[i + 1]
+    return tuple(sorted(pairs.items()))
 
 
 def key_attrs(attrs: tuple) -> tuple:
@@ -173,12 +171,22 @@ def _from_proto(a):
 
 @functools.cache
 def defaults(op_type: str) -> dict:
-    """The op's attrs that have default values, as eager op wrappers pass them."""
+    """The op's attrs that have default values, as eager op wrappers pass them; not those
+    inferred from the inputs (a type or length attr: a fast-path call leaves them out, and
+    its default, if any, is not what the inputs give)."""
     op_def = info(op_type).op_def
     if op_def is None:
         return {}
+    inferred = {name for arg in op_def.input_arg
+                for name in (arg.type_attr, arg.number_attr, arg.type_list_attr) if name}
     return {a.name: _from_proto(a.default_value) for a in op_def.attr
-            if a.HasField("default_value")}
+            if a.HasField("default_value") and a.name not in inferred}
+
+
+@functools.cache
+def normalized_defaults(op_type: str) -> tuple:
+    types = info(op_type).attr_types
+    return tuple((name, _norm(types[name], value)) for name, value in defaults(op_type).items())
 
 
 def attr_protos(op_type, attrs):

@@ -66,7 +66,8 @@ class IterationAborted(RuntimeError):
 
 
 class Iteration:
-    __slots__ = ("job", "log", "entries", "fed", "fetch_visits", "seq0", "took", "signature")
+    __slots__ = ("job", "log", "entries", "fed", "fetch_visits", "seq0", "took", "signature",
+                 "customs", "lost_customs")
 
     def __init__(self, job):
         self.job = job
@@ -75,6 +76,10 @@ class Iteration:
         # tracegraph.signature_part of every value fed, in order; None if no region needs it
         self.signature = None
         self.log = []  # (step, inputs, outputs, extra) per matched step, for replay
+        # custom gradients put on the tapes: (position in the log, op type, outputs, inputs,
+        # backward function), replayed after the ops before them
+        self.customs = []
+        self.lost_customs = False
         self.entries = []
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
         self.fetch_visits = []  # (step, visit) of the steps with fetch channels it passed
@@ -82,7 +87,7 @@ class Iteration:
     def release(self):
         """Nothing will be replayed any more: let go of the batches, tapes and snapshot (a
         stand-in Python keeps holds its entry, and the entry this iteration)."""
-        self.log = self.fed = self.job.snapshot = None
+        self.log = self.fed = self.customs = self.job.snapshot = None
 
 
 class Entry:
@@ -275,6 +280,13 @@ class PythonRunner:
                 self._visit(body_step)
         self._logged_move(step, flat)
         return flat
+
+    def custom_gradient(self, op_type, outputs, inputs, backward):
+        """``tf.custom_gradient`` recorded its backward function for outputs of ops already
+        matched: keep it (stand-ins by their entries) for a replay."""
+        it = self.it
+        it.customs.append((len(it.log), op_type, self._entries_of(list(outputs)),
+                           self._entries_of(list(inputs)), backward))
 
     def _grad_fits(self, step, tensors):
         """Whether a gradient call fits ``step``: its inputs, the forward pass its region was
@@ -746,6 +758,11 @@ class PythonRunner:
                     got[(step, visit, k)] = self._wait(
                         lambda c=channel, v=visit: c.get_nth(v, self.wait_cm), step)
         uncovered = []
+        # A custom gradient's backward function holds stand-ins of the iteration; kept for
+        # a replay, it would make them look held by Python. The iteration is complete: a
+        # replay now (an uncovered escape) re-runs its gradients without them, which
+        # ``lost_customs`` lets the runtime refuse.
+        it.lost_customs, it.customs = bool(it.customs), []
         for e in self.sweep(it):  # Python still holds it: give it its value now
             if e.value is None:
                 e.value = got.get((e.step, e.visit, e.out))

@@ -87,7 +87,7 @@ class TracingDoor:
     def fast(self, ctx, op_type, name, args):
         return interception.ORIGINAL_FAST(ctx, op_type, name, *[self._arg(a) for a in args])
 
-    def custom_gradient(self):
+    def custom_gradient(self, *record):
         if self.runtime.recorder is not None:
             self.runtime.recorder.custom_gradients += 1
 
@@ -151,8 +151,12 @@ class CoexecDoor:
                                 inputs[0] if inputs else None)
         return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
 
-    def custom_gradient(self):
-        """No tape records in co-execution (gradient regions are skipped): nothing to note."""
+    def custom_gradient(self, op_type, outputs, inputs, backward):
+        """No tape records in co-execution (gradient regions are skipped), but a fallback's
+        replay must put the custom gradient back on the tapes it re-enters: log it."""
+        rt = self.runtime
+        if rt.coexecuting():
+            rt.runner.custom_gradient(op_type, outputs, inputs, backward)
 
 
 class Runtime:
@@ -290,7 +294,14 @@ class Runtime:
         except GraphFailed as why:  # the replay raises the error at the user's line
             self.leave(why)
             return
+        it = self.runner.it
         uncovered = self.runner.finish()
+        if uncovered and it.lost_customs:
+            # a replay would lose the custom gradients (see PythonRunner.finish): keep the
+            # graph's exact results; those tensors raise IterationAborted if ever read
+            self.events.append(("escaped tensors left without values", f"{len(uncovered)} "
+                                "tensors of an iteration with a custom gradient", None))
+            uncovered = []
         if uncovered:  # the replay gives every one of them its value
             self.leave(Mismatch("a tensor outlived its iteration but the graph does not "
                                 "return it", "new fetch point"))
@@ -476,7 +487,7 @@ class Runtime:
         self.phase = "tracing"
         self._start_recording()
         try:
-            fallback_lib.replay(it.log, self.recorder, self.open_tapes)
+            fallback_lib.replay(it.log, self.recorder, self.open_tapes, it.customs)
         finally:
             runner.sweep(it)
             it.release()
