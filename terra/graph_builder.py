@@ -526,6 +526,16 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
             return c
 
         def dequeue(channel, last_fetch):
+            """The channel's next value, its relaxed shape stated by an ``EnsureShape`` op.
+
+            ``set_shape`` informs only this Python graph: TF infers the instantiated
+            function's shapes again from the ops' shape functions, and a dequeue's is unknown
+            (the captured queue handle carries no shapes). Grappler may recover the rank from
+            the consumers, but not where a switch-case's branches use one joined value as two
+            shapes (each applies it to its own variable): a fused Conv2D reading the dequeue
+            then recorded an unknown-rank input shape, which oneDNN's rewrite reads as rank 0,
+            a CHECK failure that aborts the process. ``EnsureShape``'s own shape function gives
+            the shape; at run time it checks what Python validated before feeding."""
             with ops.control_dependencies(last_fetch):
                 op = ops.get_default_graph()._create_op_internal(
                     "QueueDequeueV2", [captured(channel.handle)],
@@ -533,7 +543,7 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
                            "timeout_ms": opdefs.attr_value("int", -1)})
             t = op.outputs[0]
             if channel.shape is not None:
-                t.set_shape(channel.shape)
+                t = array_ops.ensure_shape(t, channel.shape)
             return t
 
         def enqueue(step, k, t, last_fetch):
