@@ -12,8 +12,10 @@ Ops that must not run in the graph (stateful, non-variable: random ops, iterator
 functions) run here for real and their outputs are fed.
 """
 
+import functools
 import sys
 import time
+import types
 import weakref
 
 import numpy as np
@@ -67,7 +69,7 @@ class IterationAborted(RuntimeError):
 
 class Iteration:
     __slots__ = ("job", "log", "entries", "fed", "fetch_visits", "seq0", "took", "signature",
-                 "customs", "lost_customs")
+                 "customs")
 
     def __init__(self, job):
         self.job = job
@@ -79,7 +81,6 @@ class Iteration:
         # custom gradients put on the tapes: (position in the log, op type, outputs, inputs,
         # backward function), replayed after the ops before them
         self.customs = []
-        self.lost_customs = False
         self.entries = []
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
         self.fetch_visits = []  # (step, visit) of the steps with fetch channels it passed
@@ -758,11 +759,6 @@ class PythonRunner:
                     got[(step, visit, k)] = self._wait(
                         lambda c=channel, v=visit: c.get_nth(v, self.wait_cm), step)
         uncovered = []
-        # A custom gradient's backward function holds stand-ins of the iteration; kept for
-        # a replay, it would make them look held by Python. The iteration is complete: a
-        # replay now (an uncovered escape) re-runs its gradients without them, which
-        # ``lost_customs`` lets the runtime refuse.
-        it.lost_customs, it.customs = bool(it.customs), []
         for e in self.sweep(it):  # Python still holds it: give it its value now
             if e.value is None:
                 e.value = got.get((e.step, e.visit, e.out))
@@ -778,10 +774,13 @@ class PythonRunner:
         trace). Return the others; each is forgotten when Python drops its stand-in."""
         tensors = self.tensors
         held, it.entries = it.entries, []
+        # the custom gradients kept for a replay hold stand-ins in their closures: those
+        # references are Terra's, not Python's
+        ours = _closure_refs(it.customs) if it.customs else {}
         while True:
             # A dropped stand-in can hold others (Keras 3 sets ``_keras_mask`` on tensors):
             # once it is gone they may be dropped too, so sweep until nothing more goes.
-            pending, held = held, [pair for pair in held if _held(pair, tensors)]
+            pending, held = held, [pair for pair in held if _held(pair, tensors, ours)]
             if len(held) == len(pending):
                 break
             del pending
@@ -790,12 +789,53 @@ class PythonRunner:
         return [e for e, _ in held]
 
 
-def _held(pair, tensors):
-    """Whether Python still holds the stand-in of an (entry, stand-in) pair; if not, forget
-    its entry."""
+def _held(pair, tensors, ours):
+    """Whether Python still holds the stand-in of an (entry, stand-in) pair (``ours``: the
+    references Terra holds elsewhere, by id); if not, forget its entry."""
     e, t = pair
-    if sys.getrefcount(t) <= _BASE_REFS + (e.value is t):
+    if sys.getrefcount(t) <= _BASE_REFS + (e.value is t) + ours.get(id(t), 0):
         tensors.pop(t._id, None)
+        return False
+    return True
+
+
+def _closure_refs(customs):
+    """How often each tensor is referenced from the closures of the custom gradients'
+    backward functions (id -> count), through functions, cells, methods, partials and plain
+    containers; other objects (a Keras layer a method is bound to) are not entered."""
+    counts, seen = {}, set()
+    stack = [custom[4] for custom in customs]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            children = [*(obj.__closure__ or ()), *(obj.__defaults__ or ())]
+        elif isinstance(obj, types.CellType):
+            children = [obj.cell_contents] if _has_contents(obj) else []
+        elif isinstance(obj, types.MethodType):
+            children = [obj.__func__]
+        elif isinstance(obj, functools.partial):
+            children = [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (list, tuple)):
+            children = obj
+        elif isinstance(obj, dict):
+            children = obj.values()
+        else:
+            continue
+        for child in children:
+            if type(child) is _EagerTensor:
+                counts[id(child)] = counts.get(id(child), 0) + 1
+            else:
+                stack.append(child)
+    return counts
+
+
+def _has_contents(cell):
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
         return False
     return True
 

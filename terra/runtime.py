@@ -294,14 +294,7 @@ class Runtime:
         except GraphFailed as why:  # the replay raises the error at the user's line
             self.leave(why)
             return
-        it = self.runner.it
         uncovered = self.runner.finish()
-        if uncovered and it.lost_customs:
-            # a replay would lose the custom gradients (see PythonRunner.finish): keep the
-            # graph's exact results; those tensors raise IterationAborted if ever read
-            self.events.append(("escaped tensors left without values", f"{len(uncovered)} "
-                                "tensors of an iteration with a custom gradient", None))
-            uncovered = []
         if uncovered:  # the replay gives every one of them its value
             self.leave(Mismatch("a tensor outlived its iteration but the graph does not "
                                 "return it", "new fetch point"))
@@ -333,15 +326,15 @@ class Runtime:
         self.recorder = None
         self.ctx.remove_op_callback(rec.callback)
         rec.finish()
+        if rec.broken is not None:
+            self.events.append(("Terra error while tracing (trace dropped)", rec.broken, None))
+            return
         if rec.creates_state or rec.aborted or not rec.records:
             return
         if not rec.skippable:
             self._give_up("a gradient region contains ops that must run in Python")
             return
         if len(rec.records) > config.max_trace_ops:
-            return
-        if rec.broken is not None:
-            self.events.append(("Terra error while tracing (trace dropped)", rec.broken, None))
             return
         try:
             covered, _ = self.tracegraph.merge(rec.records)

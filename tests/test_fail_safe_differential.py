@@ -1,0 +1,179 @@
+"""Terra's own failures never reach the user, and every fallback gives back eager's state.
+
+1. A failure injected into each stage of Terra's machinery (recording, merging, generation,
+   co-execution's validation, fetches and gradient calls, the GraphRunner) ends in eager
+   execution of that iteration: the program finishes with eager's numbers and ``explain()``
+   names the failure.
+2. A fallback at every kind of point of an iteration (mid-forward, at a new fetch point, at a
+   gradient call, inside the optimizer's update after some variables were already updated by
+   the graph) in a network with BatchNorm leaves every variable, moving statistics and
+   optimizer slots included, as eager has it.
+3. Code under a ``tf.distribute`` strategy runs with plain tapes, never with wrong values.
+"""
+
+import pytest
+import tensorflow as tf
+from differential import assert_same_as_eager, record_stats
+from tiny_models import batch, classification_data, mlp_task, sparse_xent, state
+
+import terra
+from terra import graph_runner, python_runner, runtime, trace, tracegraph
+
+
+def mlp_loop(tape_cls, steps):
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, **state(model, optimizer)}
+
+
+class Injected(Exception):
+    """A stand-in for a bug in Terra."""
+
+
+def _fail_once_after(owner, name, calls, monkeypatch, wrap=None):
+    """Make ``owner.name`` raise Injected on its ``calls``-th call (once)."""
+    original = getattr(owner, name)
+    count = [0]
+
+    def failing(*args, **kwargs):
+        count[0] += 1
+        if count[0] == calls:
+            if wrap is not None:
+                return wrap(original, *args, **kwargs)
+            raise Injected(f"injected into {name}")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+def _graph_runner_crash(original, self, job, ctx):
+    job.error = Injected("injected into the GraphRunner")
+    self._on_error(job)
+
+
+STAGES = {
+    "recording": (trace.Recorder, "record_op", 40, None),
+    "merge": (tracegraph.TraceGraph, "merge", 2, None),
+    "generation": (runtime, "generate", 1, None),
+    "validation": (python_runner.PythonRunner, "_validate", 30, None),
+    "fetch": (python_runner.PythonRunner, "value_of", 2, None),
+    "gradient call": (python_runner.PythonRunner, "gradient", 2, None),
+    "graph runner": (graph_runner.GraphRunner, "_run", 2, _graph_runner_crash),
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_failure_inside_terra_ends_in_eager_numbers(stage, monkeypatch):
+    owner, name, calls, wrap = STAGES[stage]
+
+    def program(tape_cls, steps):
+        if tape_cls is terra.TerraGradientTape:
+            _fail_once_after(owner, name, calls, monkeypatch, wrap)
+        return mlp_loop(tape_cls, steps)
+
+    outcome = assert_same_as_eager(program, 10, expect_fallbacks=(0, None), max_traces=6,
+                                   min_coexecuted=0)
+    assert "injected into" in outcome.explain, outcome.report()
+
+
+# -- exact fallback in a BatchNorm network ---------------------------------------------
+
+
+class HalvingSGD(tf.keras.optimizers.SGD):
+    """A user's optimizer subclass whose per-variable update takes a new path when told to:
+    a fallback inside ``apply_gradients``, after the graph updated earlier variables."""
+
+    halve = None  # the (backend) variable whose gradient is halved, when set
+
+    def update_step(self, gradient, variable, learning_rate):
+        if variable is self.halve:
+            gradient = gradient * 0.5
+        return super().update_step(gradient, variable, learning_rate)
+
+
+CHANGED = 6
+
+
+def batchnorm_program(where):
+    def program(tape_cls, steps):
+        tf.keras.utils.set_random_seed(0)
+        data = classification_data(steps * 16, 12, 4)
+        dense1 = tf.keras.layers.Dense(16)
+        norm = tf.keras.layers.BatchNormalization()
+        drop = tf.keras.layers.Dropout(0.2)
+        head = tf.keras.layers.Dense(4)
+        model = tf.keras.Sequential([tf.keras.Input((12,)), dense1, norm, drop, head])
+        optimizer = HalvingSGD(0.05, momentum=0.9)
+        loss_fn = sparse_xent()
+        losses, fetched = [], []
+        for step in range(steps):
+            record_stats(f"step{step}")
+            changed = step == CHANGED
+            optimizer.halve = model.trainable_variables[-2].value if changed and \
+                where == "optimizer update" else None
+            x, y = batch(data, step, 16)
+            with tape_cls() as tape:
+                h = norm(dense1(x), training=True)
+                if changed and where == "mid-forward":
+                    h = tf.nn.relu(h)
+                if changed and where == "fetch":
+                    fetched.append(float(tf.reduce_mean(h)))
+                loss = loss_fn(y, head(drop(h, training=True)))
+            if changed and where == "gradient call":
+                grads = tape.gradient(loss, model.trainable_variables,
+                                      output_gradients=tf.constant(2.0))
+            else:
+                grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            losses.append(float(loss))
+        return {"losses": losses, "fetched": fetched, **state(model, optimizer)}
+
+    return program
+
+
+@pytest.mark.parametrize("where", ["mid-forward", "fetch", "gradient call", "optimizer update"])
+def test_fallback_at_every_point_keeps_every_variable_eager(where):
+    outcome = assert_same_as_eager(batchnorm_program(where), 12, expect_fallbacks=(1, None),
+                                   max_traces=6)
+    assert outcome.stats_at(f"step{CHANGED}").coexecuted >= 1, outcome.report()
+
+
+# -- tf.distribute ----------------------------------------------------------------------
+
+
+def mirrored_two_cpus(tape_cls, steps):
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    tf.keras.utils.set_random_seed(0)
+    with strategy.scope():
+        _, model, optimizer, _ = mlp_task(steps, tf.keras.optimizers.SGD(0.05))
+    data = classification_data(steps * 16, 20, 5)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum")
+
+    def step_fn(x, y):
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True)) / 16.0
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(16)
+    losses = []
+    for x, y in strategy.experimental_distribute_dataset(dataset):
+        per_replica = strategy.run(step_fn, args=(x, y))
+        losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
+    return {"losses": losses, "model": [tf.convert_to_tensor(v) for v in model.variables]}
+
+
+def test_tapes_under_a_distribution_strategy_run_plain():
+    outcome = assert_same_as_eager(mirrored_two_cpus, 8, env={}, min_coexecuted=0)
+    assert "tf.distribute" in outcome.explain, outcome.report()

@@ -1,0 +1,283 @@
+"""Patterns of ordinary TF2 programs that Terra once got wrong or crashed on, each run eagerly
+and under Terra: the numbers must be eager's.
+
+Programs use raw ``tf.Variable``s in ``tf.Module``s, Keras 3 and tf_keras layers, custom
+gradients, varying batch sizes and data-dependent Python branches, the whole GradientTape API,
+and Terra behind ``tf.GradientTape`` (``terra.enable()``) for code that names only TF's class.
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from differential import assert_same_as_eager
+from tiny_models import batch, mlp_task, state
+
+import terra
+from terra.tape import RealGradientTape
+
+# -- global enablement ----------------------------------------------------------------
+
+
+def test_enable_puts_terra_behind_tf_gradient_tape_and_disable_restores_it():
+    assert not terra.tape.is_enabled()
+    with terra.enabled():
+        tape = tf.GradientTape()
+        assert isinstance(tape, terra.TerraGradientTape)
+        assert isinstance(tape, RealGradientTape)  # libraries' isinstance checks hold
+        assert tf.compat.v2.GradientTape is terra.TerraGradientTape
+        assert tf.autodiff.GradientTape is terra.TerraGradientTape
+    assert tf.GradientTape is RealGradientTape
+    assert type(tf.GradientTape()) is RealGradientTape
+
+
+def through_tf_gradient_tape(body):
+    """A program that only ever names ``tf.GradientTape`` (as library code does): under Terra
+    it runs inside ``terra.enabled()``, eagerly with TF's own class."""
+    def program(tape_cls, steps):
+        if tape_cls is terra.TerraGradientTape:
+            with terra.enabled():
+                return body(steps)
+        return body(steps)
+
+    return program
+
+
+def _tape_api(steps):
+    """Every GradientTape method, in a loop that otherwise co-executes: nested and persistent
+    tapes, output_gradients, unconnected_gradients, watch, stop_recording, jacobian,
+    batch_jacobian, reset and watched_variables (the last few are served by fallback)."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    extra = tf.Variable(tf.ones((5,)))
+    results = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        x = tf.constant(x)
+        with tf.GradientTape(persistent=True) as outer:
+            outer.watch(x)
+            with tf.GradientTape() as inner:
+                logits = model(x, training=True)
+                loss = loss_fn(y, logits)
+            grads = inner.gradient(loss, model.trainable_variables,
+                                   unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            with outer.stop_recording() if step == 5 else _nothing():
+                unused = tf.reduce_sum(extra)
+            penalty = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+        dx = outer.gradient(penalty, x, output_gradients=tf.constant(0.5))
+        by_extra = outer.gradient(loss, extra, unconnected_gradients="zero")
+        if step == 6:
+            results.append(outer.jacobian(logits, x)[0, 0])
+            results.append(outer.batch_jacobian(logits, x)[0])
+            results.append([v.name for v in outer.watched_variables()])
+        del outer
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        results.append((float(loss), dx, by_extra, unused))
+    return {"results": results, **state(model, optimizer)}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_whole_gradient_tape_api_through_tf_gradient_tape():
+    outcome = assert_same_as_eager(through_tf_gradient_tape(_tape_api), 10,
+                                   expect_fallbacks=(0, None), max_traces=8, min_coexecuted=2)
+    assert "tape.jacobian" in outcome.explain or "tape.stop_recording" in outcome.explain, \
+        outcome.report()
+
+
+# -- argument structures ----------------------------------------------------------------
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+class Parts(tf.Module):
+    """A raw tf.Module whose list attribute becomes TF's ListWrapper (a list subclass whose
+    constructor wraps rather than copies)."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.w = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32) * 0.3)
+        self.parts = []
+
+    def __call__(self, x):
+        self.parts = [x @ self.w, tf.nn.relu(x) @ self.w]
+        joined = tf.concat(self.parts, axis=1)  # a ListWrapper of this step's tensors
+        pair = Pair(joined, joined * 2.0)
+        return tf.stack(pair) + tf.add_n((joined, [joined][0]))
+
+
+def structures(tape_cls, steps):
+    rng = np.random.default_rng(1)
+    x_all = rng.standard_normal((steps, 16, 8)).astype(np.float32)
+    module, kept, losses = Parts(), [], []
+    for step in range(steps):
+        with tape_cls() as tape:
+            out = module(x_all[step])
+            loss = tf.reduce_mean(tf.square(out))
+        (g,) = tape.gradient(loss, [module.w])
+        module.w.assign_sub(0.05 * g)
+        kept.append(module.parts[0])  # a list subclass holding last step's tensors
+        losses.append(float(loss))
+    return {"losses": losses, "w": module.w, "last_parts": tf.concat(kept[-1:], 0)}
+
+
+def test_list_subclasses_namedtuples_and_nested_arguments():
+    assert_same_as_eager(structures, 10, expect_fallbacks=(0, 1), max_traces=4)
+
+
+# -- raw tf.Module with a conditional extra loss term ----------------------------------
+
+
+class Regressor(tf.Module):
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(0)
+        self.w = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32) * 0.3)
+        self.b = tf.Variable(np.zeros(4, np.float32))
+
+    def __call__(self, x):
+        return tf.nn.relu(x @ self.w + self.b)
+
+
+def weight_decay_every_third_step(where):
+    def program(tape_cls, steps):
+        rng = np.random.default_rng(1)
+        x, y = (rng.standard_normal((16, n)).astype(np.float32) for n in (8, 4))
+        net, losses = Regressor(), []
+        for step in range(steps):
+            with tape_cls() as tape:
+                out = net(x)
+                if where == "mid" and step % 3 == 0:
+                    out = out + 1e-3 * tf.reduce_sum(tf.square(net.w))
+                loss = tf.reduce_mean(tf.square(out - y))
+                if where == "end" and step % 3 == 0:
+                    loss = loss + 1e-3 * tf.reduce_sum(tf.square(net.w))
+            grads = tape.gradient(loss, net.trainable_variables)
+            for v, g in zip(net.trainable_variables, grads, strict=True):
+                v.assign_sub(0.1 * g)
+            losses.append(float(loss))
+        return {"losses": losses, "vars": list(net.trainable_variables)}
+
+    return program
+
+
+@pytest.mark.parametrize("where", ["end", "mid"])
+def test_conditional_weight_decay_on_a_raw_module(where):
+    assert_same_as_eager(weight_decay_every_third_step(where), 15,
+                         expect_fallbacks=(0, None), max_traces=8)
+
+
+# -- varying batch + a branch on a fetched loss; reads after the loop -----------------
+
+
+def fetched_branch_varying_batch(tape_cls, steps):
+    """Batches alternate 16 / 12 rows, and inside the tape ``if float(loss) > 1.2`` halves the
+    loss. The graph once failed at the iteration's last op (an update), and that op ran twice:
+    once in the fallback's replay, once more when re-issued eagerly."""
+    rng = np.random.RandomState(4)
+    x_all = rng.randn(64, 8).astype("float32")
+    y_all = rng.randn(64, 1).astype("float32") * 1.2
+    w1 = tf.Variable(rng.randn(8, 16).astype("float32") * 0.5)
+    b1 = tf.Variable(np.zeros(16, "float32"))
+    w2 = tf.Variable(rng.randn(16, 1).astype("float32") * 0.5)
+    losses = []
+    for step in range(steps):
+        size, start = (16 if step % 2 == 0 else 12), (step * 4) % 32
+        x, y = x_all[start:start + size], y_all[start:start + size]
+        with tape_cls() as tape:
+            pred = (x @ w1 + b1) @ w2
+            loss = tf.reduce_mean(tf.square(pred - y))
+            if float(loss) > 1.2:
+                loss = loss * 0.5
+        grads = tape.gradient(loss, [w1, b1, w2])
+        for v, g in zip([w1, b1, w2], grads, strict=True):
+            v.assign_sub(0.08 * g)
+        losses.append(float(loss))
+    after = [float(tf.reduce_sum(v)) for v in (w1, b1, w2)]  # ops after the training loop
+    return {"losses": losses, "after": after, "vars": [w1, b1, w2]}
+
+
+def test_branch_on_fetched_loss_with_varying_batch_then_reads_after_the_loop():
+    assert_same_as_eager(fetched_branch_varying_batch, 24, expect_fallbacks=(0, None),
+                         max_traces=8)
+
+
+# -- a custom gradient after a numpy-computed scale, varying batch, Adam --------------
+
+
+@tf.custom_gradient
+def clipped_backward(x):
+    def grad(dy):
+        return tf.clip_by_value(dy, -0.05, 0.05)
+
+    return tf.identity(x), grad
+
+
+def custom_gradient_numpy_scale(tape_cls, steps):
+    """A fallback's replay once re-ran the forward ops without the custom gradient the
+    decorator had put on the tape, and trained with the unclipped gradient."""
+    rng = np.random.RandomState(0)
+    x_all = rng.randn(64, 8).astype("float32")
+    y_all = rng.randn(64, 1).astype("float32")
+    w1 = tf.Variable(rng.randn(8, 16).astype("float32") * 0.5)
+    w2 = tf.Variable(rng.randn(16, 1).astype("float32") * 0.5)
+    optimizer = tf.keras.optimizers.Adam(0.01)
+    losses = []
+    for step in range(steps):
+        size = 16 if step % 2 == 0 else 12
+        x, y = x_all[:size], y_all[:size]
+        with tape_cls() as tape:
+            h = x @ w1
+            h = h * (1 + 0.01 * np.abs(h.numpy()).mean())
+            h = clipped_backward(h)
+            loss = tf.reduce_mean(tf.square(h @ w2 - y))
+        grads = tape.gradient(loss, [w1, w2])
+        optimizer.apply_gradients(zip(grads, [w1, w2], strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, "vars": [w1, w2], "optimizer": list(optimizer.variables)}
+
+
+def test_custom_gradient_survives_fallback():
+    assert_same_as_eager(custom_gradient_numpy_scale, 16, expect_fallbacks=(1, None),
+                         max_traces=10, min_coexecuted=0)
+
+
+# -- tf_keras (Keras 2): Dense adds its bias with BiasAdd --------------------------------
+
+
+def tf_keras_dense_with_branch(tape_cls, steps):
+    """Replayed BiasAdd ops once lacked their defaulted ``data_format``, which TF's gradient
+    function reads: every tf_keras Dense with a bias crashed after a fallback."""
+    import tf_keras
+
+    tf_keras.utils.set_random_seed(0)
+    dense1 = tf_keras.layers.Dense(16, activation="relu")
+    dense2 = tf_keras.layers.Dense(1)
+    rng = np.random.RandomState(0)
+    x = rng.randn(16, 8).astype("float32")
+    y = rng.randn(16, 1).astype("float32")
+    losses = []
+    for step in range(steps):
+        with tape_cls() as tape:
+            loss = tf.reduce_mean(tf.square(dense2(dense1(x)) - y))
+            if step % 3 == 0:
+                loss = loss + 0.1
+        variables = dense1.trainable_variables + dense2.trainable_variables
+        grads = tape.gradient(loss, variables)
+        for v, g in zip(variables, grads, strict=True):
+            v.assign_sub(0.05 * g)
+        losses.append(float(loss))
+    return {"losses": losses, "vars": variables}
+
+
+def test_tf_keras_dense_bias_add_after_fallback():
+    outcome = assert_same_as_eager(tf_keras_dense_with_branch, 12, env={
+        "TF_USE_LEGACY_KERAS": "1"}, expect_fallbacks=(1, None), max_traces=8)
+    assert outcome.stats.fallbacks >= 1, outcome.report()
