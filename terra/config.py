@@ -40,6 +40,9 @@ class Config:
         variables during the first step, so that step is never traced.
       max_trace_ops: a trace longer than this is abandoned and the iteration runs eagerly
         (ops after the training loop belong to the last iteration; this bounds their cost).
+      budget: (``TERRA_BUDGET``) the seconds Terra may spend over eager (tracing, generation, fallbacks) without
+        earning them back, as a fraction of the run's eager time; past it, and with
+        co-executed iterations no faster than eager, Terra runs eagerly (``terra.budget``).
       max_fallbacks_in_a_row: after this many fallbacks without a co-executed iteration in
         between, or this many in all once they outnumber the co-executed iterations, stop
         generating graphs and run eagerly (``explain()`` says why): a program that takes a
@@ -57,6 +60,7 @@ class Config:
     warmup: int = 1
     max_trace_ops: int = 200_000
     max_fallbacks_in_a_row: int = 4
+    budget: float = 0.05
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -68,6 +72,7 @@ class Config:
             strict=_env_flag("TERRA_STRICT"),
             freeze_gc=_env_flag("TERRA_FREEZE_GC", default=True),
             timeout=float(os.environ.get("TERRA_TIMEOUT", "120")),
+            budget=float(os.environ.get("TERRA_BUDGET", "0.05")),
         )
 
 

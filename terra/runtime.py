@@ -10,6 +10,7 @@ Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first 
 import dataclasses
 import gc
 import threading
+import time
 import traceback
 
 from tensorflow.python.eager import context
@@ -18,8 +19,8 @@ from tensorflow.python.framework import errors, ops
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
+from terra import budget, interception, materialize, opdefs
 from terra import fallback as fallback_lib
-from terra import interception, materialize, opdefs
 from terra.config import config
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
@@ -172,6 +173,9 @@ class Runtime:
         self.unsupported = None
         self.events = []  # fallbacks and other notes for explain()
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
+        self.ledger = budget.Ledger(budget=config.budget)
+        self._began = None  # (phase, start time, fell back) of the running iteration
+        self._generation_time = 0.0  # of the iteration that is ending
         self.ctx = context.context()
         self.owner = threading.get_ident()
         self._graph_runner = None
@@ -203,6 +207,7 @@ class Runtime:
     def tape_enter(self, tape):
         if not self.open_tapes:
             self._end_iteration()
+            self._book()
             self._begin_iteration()
         self.open_tapes.append(tape)
         attrs = tape.mark_attrs
@@ -254,7 +259,23 @@ class Runtime:
         return nest.map_structure(
             lambda x: self.tracing_door._arg(x) if type(x) is _EagerTensor else x, structure)
 
+    def _book(self):
+        """Enter the iteration that just ended in the cost ledger; stop if Terra is not
+        earning back what it costs (``terra.budget``)."""
+        now = time.perf_counter()
+        if self._began is not None:
+            phase, began, fell = self._began
+            kind = ("fell back" if fell else "eager" if phase in ("warmup", "eager") else
+                    "traced" if phase == "tracing" else "coexecuted")
+            self.ledger.iteration(kind, now - began - self._generation_time)
+        self._generation_time = 0.0
+        verdict = self.ledger.verdict() if self.phase in ("tracing", "coexecution") else None
+        if verdict is not None:
+            self._give_up(verdict)
+        self._began = None
+
     def _begin_iteration(self):
+        began = time.perf_counter()
         self.sites.begin_iteration()
         s = self.stats
         s.iterations += 1
@@ -270,6 +291,7 @@ class Runtime:
                 self.graph_runner.submit(job)
             self.runner.begin(it)
             interception.set_handler(self.coexec_door)
+        self._began = (self.phase, began, False)
 
     def _end_iteration(self):
         try:
@@ -357,12 +379,17 @@ class Runtime:
             self._generate()
 
     def _generate(self):
+        t0 = time.perf_counter()
         try:
             with interception.paused():
                 self.graph = generate(self.tracegraph, xla=config.xla)
         except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
             self._give_up(f"graph generation failed: {type(e).__name__}: {e}")
             return
+        finally:
+            took = time.perf_counter() - t0
+            self._generation_time += took
+            self.ledger.generation(took)
         self.stats.graph_generations += 1
         self.graph_runner  # noqa: B018 - starts the GraphRunner and watchdog threads
         if self.runner is not None:  # stall time of earlier graphs
@@ -380,6 +407,7 @@ class Runtime:
         self.unsupported = reason
         self.events.append(("eager", reason, None))
         self.phase = "eager"
+        interception.set_handler(self.tracing_door)
 
     def step_aside(self, tape, what):
         """``tape.<what>`` runs on the real tape: leave co-execution if in it (the replay
@@ -462,6 +490,8 @@ class Runtime:
             raise RuntimeError(f"Terra: {why} at {user_location()}, after the iteration it "
                                "belongs to had ended; its tape was never run for real")
         job = it.job
+        if self._began is not None:
+            self._began = (*self._began[:2], True)
         self.graph_runner.cancel(job)
         fallback_lib.restore(job, config.timeout)
         self.stats.fallbacks += 1
@@ -624,6 +654,7 @@ def explain() -> str:
              f"phase {s.phase}"]
     if rt.unsupported:
         lines.append(f"running eagerly because {rt.unsupported}")
+    lines.append(str(rt.ledger))
     lines.extend(plain)
     for what, reason, loc in rt.events:
         where = f" at {loc.file}:{loc.line}" if loc else ""

@@ -1,7 +1,12 @@
 """Make ``terra`` and the shared test helpers importable when Terra is not pip-installed."""
 
+import os
 import sys
 from pathlib import Path
+
+# The suite checks numbers, not speed: tiny models are fast eagerly, and the cost budget
+# (terra.budget) would end co-execution in tests that need it. Budget tests set it themselves.
+os.environ.setdefault("TERRA_BUDGET", "inf")
 
 _TESTS = Path(__file__).resolve().parent
 for _path in (str(_TESTS.parent), str(_TESTS)):

@@ -177,3 +177,42 @@ def mirrored_two_cpus(tape_cls, steps):
 def test_tapes_under_a_distribution_strategy_run_plain():
     outcome = assert_same_as_eager(mirrored_two_cpus, 8, env={}, min_coexecuted=0)
     assert "tf.distribute" in outcome.explain, outcome.report()
+
+
+# -- the cost budget --------------------------------------------------------------------
+
+
+def test_ledger_stops_only_when_spent_and_not_faster():
+    from terra.budget import Ledger
+
+    ledger = Ledger(budget=0.05, window=3)
+    ledger.iteration("eager", 0.010)
+    for _ in range(3):
+        ledger.iteration("traced", 0.020)
+    ledger.generation(0.5)
+    assert ledger.verdict() is None  # co-execution has not had its chance yet
+    for _ in range(3):
+        ledger.iteration("coexecuted", 0.008)
+    assert ledger.faster() and ledger.verdict() is None  # faster: it earns the cost back
+    for _ in range(3):
+        ledger.iteration("coexecuted", 0.012)
+    assert not ledger.faster()
+    assert "would not earn the rest back" in ledger.verdict()
+    assert ledger.spent > 0.5 and ledger.saved < 0.01
+
+
+def test_over_budget_and_not_faster_runs_eagerly_with_eager_numbers(monkeypatch):
+    from terra import budget
+
+    def program(tape_cls, steps):
+        if tape_cls is terra.TerraGradientTape:
+            terra.configure(budget=0.0)
+            monkeypatch.setattr(budget.Ledger, "faster", lambda self: False)
+        try:
+            return mlp_loop(tape_cls, steps)
+        finally:
+            terra.configure(budget=float("inf"))
+
+    outcome = assert_same_as_eager(program, 14, max_traces=2)
+    assert outcome.stats.phase == "eager" and outcome.stats.coexecuted == 5, outcome.report()
+    assert "would not earn the rest back" in outcome.explain, outcome.report()

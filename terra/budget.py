@@ -1,0 +1,79 @@
+"""The cost ledger: what Terra spent on a program and what it earned back.
+
+Tracing runs the iteration eagerly *and* records it, generation builds a graph, a fallback
+restores and replays: all paid in wall time over what eager would have taken. Co-executed
+iterations earn it back. A program whose paths never settle (a new one every few steps) would
+pay forever and never earn, ending slower than eager. The ledger compares every iteration
+with eager's time for one (the median of the iterations that ran plainly, the warm-up one at
+least) and says when to stop: Terra has spent more than its budget (a fraction of the eager
+time of the run so far) and its last co-executed iterations were not faster than eager, so it
+would never earn it back. (A program that never gets to co-execute is stopped by the
+fallback limits, ``Config.max_fallbacks_in_a_row``.)
+"""
+
+import dataclasses
+import statistics
+
+
+@dataclasses.dataclass
+class Ledger:
+    """Seconds per kind of iteration. ``spent``: over eager (tracing, generation, fallbacks);
+    ``saved``: what co-executed iterations took less than eager (negative if more)."""
+
+    budget: float = 0.05  # of the run's eager time, Terra may spend without earning it back
+    window: int = 5  # co-executed iterations that tell whether co-execution is faster
+    eager: list = dataclasses.field(default_factory=list)
+    coexecuted: list = dataclasses.field(default_factory=list)
+    spent: float = 0.0
+    saved: float = 0.0
+    iterations: int = 0
+
+    def reference(self):
+        """Eager's time for one iteration, or None before one ran plainly."""
+        return statistics.median(self.eager) if self.eager else None
+
+    def iteration(self, kind: str, seconds: float):
+        """Book one finished iteration: ``eager`` (warm-up or given up), ``traced``,
+        ``coexecuted`` or ``fell back``."""
+        self.iterations += 1
+        if kind == "eager":
+            self.eager.append(seconds)
+            return
+        ref = self.reference()
+        if ref is None:
+            return
+        if kind == "coexecuted":
+            self.coexecuted.append(seconds)
+            self.saved += ref - seconds
+        else:
+            self.spent += max(0.0, seconds - ref)
+
+    def generation(self, seconds: float):
+        self.spent += seconds
+
+    def faster(self) -> bool:
+        """Whether recent co-executed iterations beat eager's time."""
+        ref = self.reference()
+        recent = self.coexecuted[-self.window:]
+        return ref is not None and bool(recent) and statistics.median(recent) < ref
+
+    def verdict(self):
+        """Why Terra should stop and run eagerly, or None to go on."""
+        ref = self.reference()
+        if ref is None:
+            return None
+        allowed = self.budget * ref * self.iterations
+        net = self.spent - self.saved
+        judged = len(self.coexecuted) >= self.window  # co-execution had its chance
+        if net > allowed and judged and not self.faster():
+            return (f"Terra spent {self.spent:.2f}s over eager (tracing, graph generation, "
+                    f"fallbacks) and earned {self.saved:.2f}s back in {self.iterations} "
+                    f"iterations of ~{ref * 1e3:.1f} ms; its co-executed iterations are not "
+                    "faster than eager, so it would not earn the rest back")
+        return None
+
+    def __str__(self):
+        ref = self.reference()
+        eager = f"~{ref * 1e3:.1f} ms" if ref is not None else "unknown"
+        return (f"cost ledger: eager iteration {eager}; spent {self.spent:.2f}s over eager, "
+                f"earned back {self.saved:.2f}s")
