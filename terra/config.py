@@ -40,8 +40,9 @@ class Config:
         variables during the first step, so that step is never traced.
       max_trace_ops: a trace longer than this is abandoned and the iteration runs eagerly
         (ops after the training loop belong to the last iteration; this bounds their cost).
-      budget: (``TERRA_BUDGET``) the seconds Terra may spend over eager (tracing, generation, fallbacks) without
-        earning them back, as a fraction of the run's eager time; past it, and with
+      budget: (``TERRA_BUDGET``) the seconds Terra may spend over eager (tracing,
+        generation, fallbacks) without earning them back, as a fraction of the run's eager
+        time; past it, and with
         co-executed iterations no faster than eager, Terra runs eagerly (``terra.budget``).
       max_fallbacks_in_a_row: after this many fallbacks without a co-executed iteration in
         between, or this many in all once they outnumber the co-executed iterations, stop
