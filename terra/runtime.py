@@ -354,7 +354,14 @@ class Runtime:
         if rec.creates_state or rec.aborted or not rec.records:
             return
         if not rec.skippable:
-            self._give_up("a gradient region contains ops that must run in Python")
+            why = "a gradient region contains ops that must run in Python"
+            if rec.unskippable is not None:
+                op, head = rec.unskippable
+                why += (f": {op.op_type} (stateful, not a variable op) in the gradient called "
+                        f"at {head.location.file}:{head.location.line}")
+            else:
+                why += ": a gradient that is not computed inside its region"
+            self._give_up(why)
             return
         if len(rec.records) > config.max_trace_ops:
             return

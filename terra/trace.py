@@ -86,6 +86,7 @@ class Recorder:
         self.creates_state = False
         self.aborted = False  # the iteration raised: its trace is not merged
         self.skippable = True  # False when a gradient region cannot be skipped
+        self.unskippable = None  # (the op that must run in Python, its region's head)
         self.sites = sites
         self.override = None  # replay: (location, site) of the original op
         self.region_site = None  # inside a gradient region: the site of its head
@@ -191,8 +192,10 @@ class Recorder:
             if any(p is not None and (r is None or r[1] <= index) for p, r in zip(parts, refs)):
                 skippable = False  # a result not computed inside the region
             results.append(("is", *refs) if len(parts) == 3 else ("t", refs[0]))
-        if any(not r.in_graph for r in self.records[index + 1:]):
-            skippable = False  # the backward pass ran an op that must run in Python
+        python = [r for r in self.records[index + 1:] if not r.in_graph]
+        if python:  # the backward pass ran an op that must run in Python
+            skippable = False
+            self.unskippable = (python[0], rec)
         rec.results = results
         self.skippable &= skippable
         return skippable
