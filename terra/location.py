@@ -22,6 +22,7 @@ around the stack taken together. docs/architecture.md §3.10 has the measurement
 """
 
 import functools
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -40,22 +41,21 @@ class Location(NamedTuple):
 Site = tuple[int, int]  # (interned call stack, occurrence in the iteration)
 
 
-def _dirs(*modules):
-    return tuple(os.path.realpath(os.path.dirname(m.__file__)) + os.sep for m in modules)
+def _package_dirs(*names):
+    """The folders of the installed top-level packages ``names``, found without importing
+    them (importing Keras 3 into a tf_keras program costs seconds and pulls in scikit-learn)."""
+    dirs = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.append(os.path.realpath(os.path.dirname(spec.origin)) + os.sep)
+    return tuple(dirs)
 
 
 @functools.lru_cache(maxsize=1)
 def _library_dirs():
-    import keras
-    import numpy
-
-    dirs = _internal_dirs() + _dirs(keras, numpy) + (
+    return _internal_dirs() + _package_dirs("keras", "numpy", "tf_keras") + (
         os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep,)
-    try:
-        import tf_keras
-    except ImportError:
-        return dirs
-    return dirs + _dirs(tf_keras)
 
 
 @functools.lru_cache(maxsize=1)

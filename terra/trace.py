@@ -28,6 +28,7 @@ from terra.config import config
 from terra.location import Sites, user_location
 
 _RESOURCE = dtypes.resource.as_datatype_enum
+SMALL_RESULT = 8  # elements: a gradient result no op computed, recorded as a value
 
 
 class OpRecord:
@@ -179,8 +180,6 @@ class Recorder:
     def end_grad(self, index, flat_results):
         """Close the region opened by :meth:`begin_grad`; returns False if not skippable."""
         rec = self.records[index]
-        rec.body_len = len(self.records) - index - 1
-        self.region_site = None
         results = []
         skippable = True
         for g in flat_results:
@@ -188,10 +187,16 @@ class Recorder:
                 results.append(None)
                 continue
             parts = (g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,)
+            for p in parts:
+                if p is not None and p._id not in self.producer and \
+                        p._num_elements() <= SMALL_RESULT:
+                    self._constant_result(p)
             refs = [None if p is None else self.producer.get(p._id) for p in parts]
             if any(p is not None and (r is None or r[1] <= index) for p, r in zip(parts, refs)):
                 skippable = False  # a result not computed inside the region
             results.append(("is", *refs) if len(parts) == 3 else ("t", refs[0]))
+        rec.body_len = len(self.records) - index - 1
+        self.region_site = None
         python = [r for r in self.records[index + 1:] if not r.in_graph]
         if python:  # the backward pass ran an op that must run in Python
             skippable = False
@@ -199,6 +204,13 @@ class Recorder:
         rec.results = results
         self.skippable &= skippable
         return skippable
+
+    def _constant_result(self, t):
+        """A gradient result that no op computed: a gradient function made it from Python
+        (an embedding's ``IndexedSlices.dense_shape`` is the variable's static shape, converted
+        without an op). Record it as an ``Identity`` of that external value inside the region,
+        so the graph computes it like any result (a constant if every trace saw the same)."""
+        self.record_op("Identity", [t], ("T", t._datatype_enum()), [t])
 
     # -- iteration end ------------------------------------------------------------------
     def finish(self):

@@ -7,6 +7,9 @@ and Terra behind ``tf.GradientTape`` (``terra.enable()``) for code that names on
 """
 
 import collections
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -281,3 +284,46 @@ def test_tf_keras_dense_bias_add_after_fallback():
     outcome = assert_same_as_eager(tf_keras_dense_with_branch, 12, env={
         "TF_USE_LEGACY_KERAS": "1"}, expect_fallbacks=(1, None), max_traces=8)
     assert outcome.stats.fallbacks >= 1, outcome.report()
+
+
+# -- tf_keras Embedding + GRU: a gradient result that no op computed ----------------------
+
+
+def tf_keras_embedding_gru(tape_cls, steps):
+    """The embedding's gradient is an ``IndexedSlices`` whose ``dense_shape`` TF converts from
+    the variable's static shape without an op. Terra once took the region for one that must run
+    in Python and never traced the program (0 traces, eager, slower than eager)."""
+    import tf_keras
+
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.layers.Embedding(50, 8), tf_keras.layers.GRU(8),
+                                 tf_keras.layers.Dense(2)])
+    optimizer = tf_keras.optimizers.Adam(1e-2)
+    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 50, size=(steps, 8, 6)).astype("int32")
+    y = rng.integers(0, 2, size=(steps, 8))
+    losses = []
+    for step in range(steps):
+        with tape_cls() as tape:
+            loss = loss_fn(y[step], model(x[step], training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return {"losses": losses, "vars": model.variables, "optimizer": optimizer.variables()}
+
+
+def test_tf_keras_embedding_gru_coexecutes():
+    outcome = assert_same_as_eager(tf_keras_embedding_gru, 10, rtol=1e-4,
+                                   env={"TF_USE_LEGACY_KERAS": "1"}, min_coexecuted=5)
+    assert outcome.stats.graph_generations == 1, outcome.report()
+
+
+def test_finding_user_frames_does_not_import_keras_3():
+    """Locating the user's line once imported Keras 3 (and scikit-learn through it) into
+    tf_keras programs: seconds added to their first traced step."""
+    code = ("import sys, tf_keras\nfrom terra import location\nlocation.user_location()\n"
+            "print('keras.src' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TF_USE_LEGACY_KERAS": "1"}, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
