@@ -22,5 +22,12 @@ setup(
         "gpu": [f"tensorflow=={TF}"],
         "bench": ["scikit-learn", "matplotlib"],
         "test": ["pytest", "ruff", "scikit-learn"],
+        # The real-program corpus (benchmarks/corpus): libraries that would pull the full
+        # `tensorflow` wheel next to tensorflow-cpu, so they are installed WITHOUT their
+        # dependencies: pip install --no-deps <these> (docs/corpus.md has the exact line).
+        "real": ["dm-sonnet==2.0.2", "dm-tree", "tabulate", "tensorflow-probability==0.25.0",
+                 "decorator", "cloudpickle", "gpflow==2.11.2", "check-shapes", "dropstackframe",
+                 "lark", "deprecated", "multipledispatch", "scipy", "tf-agents==0.19.0",
+                 "gin-config", "gym==0.23.0", "gym-notices"],
     },
 )

@@ -1,0 +1,129 @@
+"""Run a corpus program eagerly and under Terra (one fresh process each), compare, tabulate.
+
+The comparison is the project's promise: the same per-step losses and, after the last step, the
+same value of every variable (model and optimizer state), within ``RTOL``/``ATOL``. Speed is
+reported next to it: steps/s over the whole run (tracing and graph generation included) and over
+its second half (where Terra should be co-executing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from benchmarks.corpus import REGISTRY
+from benchmarks.harness import ROOT, compare_losses
+from benchmarks.worker import RESULT_TAG
+
+RTOL, ATOL = 1e-4, 1e-6
+TIMEOUT = 900.0  # seconds per run; a hang under Terra is a finding, not a stuck corpus
+
+
+@dataclasses.dataclass
+class Comparison:
+    match: bool
+    detail: str  # where the runs part (first differing step or variable), or why not compared
+
+
+def run_child(program: str, mode: str, steps: int, seed: int, scratch: str,
+              timeout: float = TIMEOUT) -> dict:
+    """One run in a fresh ``benchmarks.corpus.worker`` process; its variables land in
+    ``scratch``. A crash or a timeout is returned as the result's ``error``."""
+    entry = REGISTRY[program]
+    spec = dict(program=program, mode=mode, steps=steps, seed=seed,
+                variables_path=os.path.join(scratch, f"{program}-{mode}.npz"),
+                deterministic=entry.deterministic)
+    env = dict(os.environ, **dict(entry.env))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    cmd = [sys.executable, "-m", "benchmarks.corpus.worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(spec, error=f"timeout after {timeout:.0f} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+    return dict(spec, error=f"worker crashed (exit code {proc.returncode})", traceback=tail)
+
+
+def compare(eager: dict, terra: dict, rtol: float = RTOL, atol: float = ATOL) -> Comparison:
+    """Terra's run against eager's: losses step by step, then every variable in full."""
+    for run in (eager, terra):
+        if "error" in run:
+            return Comparison(False, f"{run['mode']} run failed: {run['error']}")
+    mismatch, _ = compare_losses(terra["losses"], eager["losses"], rtol, atol)
+    if mismatch:
+        return Comparison(False, f"loss at {mismatch}")
+    return compare_variables(eager["variables_path"], terra["variables_path"], rtol, atol)
+
+
+def compare_variables(eager_path: str, terra_path: str, rtol: float, atol: float) -> Comparison:
+    with np.load(eager_path) as eager, np.load(terra_path) as terra:
+        if sorted(eager.files) != sorted(terra.files):
+            return Comparison(False, f"variables differ: eager has {len(eager.files)}, "
+                                     f"Terra {len(terra.files)}")
+        for key in sorted(eager.files):
+            left, right = eager[key], terra[key]
+            if left.shape != right.shape:
+                return Comparison(False, f"variable {key}: shape {right.shape} vs {left.shape}")
+            if not np.allclose(right, left, rtol=rtol, atol=atol, equal_nan=True):
+                worst = float(np.max(np.abs(right.astype(np.float64) - left)))
+                return Comparison(False, f"variable {key}: max abs difference {worst:.3g}")
+        return Comparison(True, f"{len(eager.files)} variables equal")
+
+
+def run_program(program: str, steps: int, seed: int = 0, timeout: float = TIMEOUT) -> dict:
+    """Both runs of ``program`` and their comparison, as one table row."""
+    with tempfile.TemporaryDirectory() as scratch:
+        eager = run_child(program, "eager", steps, seed, scratch, timeout)
+        terra = run_child(program, "terra", steps, seed, scratch, timeout)
+        comparison = compare(eager, terra)
+    row = dict(program=program, library=REGISTRY[program].library, steps=steps,
+               match=comparison.match, detail=comparison.detail,
+               stats=terra.get("stats"), explain=terra.get("explain", ""))
+    for mode, run in (("eager", eager), ("terra", terra)):
+        row[f"{mode}_sps"] = steps / run["total_s"] if "total_s" in run else None
+        half = run.get("second_half_s")
+        row[f"{mode}_half_sps"] = run["second_half_steps"] / half if half else None
+        row[f"{mode}_traceback"] = run.get("traceback")
+    row["ratio"] = _ratio(row["terra_sps"], row["eager_sps"])
+    row["half_ratio"] = _ratio(row["terra_half_sps"], row["eager_half_sps"])
+    return row
+
+
+def _ratio(mine, base):
+    return mine / base if mine and base else None
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table, then the explain() excerpts of the programs Terra did not speed up."""
+    lines = ["| program | library | match | eager steps/s | Terra steps/s | ratio "
+             "| 2nd-half ratio | traces | fallbacks | coexecuted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for row in rows:
+        stats = row["stats"] or {}
+        match = "yes" if row["match"] else f"**no** ({row['detail']})"
+        lines.append(
+            f"| {row['program']} | {row['library']} | {match} | {_num(row['eager_sps'])} "
+            f"| {_num(row['terra_sps'])} | {_num(row['ratio'])} | {_num(row['half_ratio'])} "
+            f"| {stats.get('traces', '-')} | {stats.get('fallbacks', '-')} "
+            f"| {stats.get('coexecuted', '-')} |")
+        slow = row["ratio"] is not None and row["ratio"] < 1.0
+        if row["explain"] and (not stats.get("coexecuted") or slow or not row["match"]):
+            excerpt = "\n".join(f"    {line}" for line in row["explain"].splitlines())
+            notes.append(f"`{row['program']}`: terra.explain() begins\n\n{excerpt}\n")
+    return "\n".join(lines + [""] + notes)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2f}"

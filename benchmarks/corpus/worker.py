@@ -1,0 +1,100 @@
+"""One run of one corpus program, eagerly or under Terra, in its own process.
+
+``python -m benchmarks.corpus.worker '<json spec>'`` seeds everything, calls ``terra.enable()``
+for the Terra mode (before the program is built, so that every ``tf.GradientTape`` the library
+opens is Terra's), builds the program and runs its steps. It prints one JSON line tagged with
+``benchmarks.worker.RESULT_TAG`` (losses, times, Terra's stats and report) and writes the final
+value of every variable to the spec's ``.npz`` file (too large for a JSON line: a MobileNet has
+millions of numbers). A fresh process per run keeps the eager reference free of Terra and lets
+a program set environment switches read at TensorFlow's import (``TF_USE_LEGACY_KERAS``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+from benchmarks.worker import RESULT_TAG
+
+EXPLAIN_LINES = 12  # of terra.explain() kept in the result
+
+
+def run(program: str, mode: str, steps: int, seed: int, variables_path: str,
+        deterministic: bool = False) -> dict:
+    """Run ``program`` for ``steps`` steps; never raises (an error is part of the result)."""
+    import numpy as np
+    import tensorflow as tf
+
+    result = dict(program=program, mode=mode, steps=steps, seed=seed, variables_path=variables_path)
+    random.seed(seed)
+    np.random.seed(seed)
+    tf.random.set_seed(seed)
+    if deterministic:  # else two eager runs of the program could already disagree
+        tf.config.experimental.enable_op_determinism()
+    if mode == "terra":
+        import terra
+
+        terra.enable()
+    phase = "build"
+    try:
+        module = importlib.import_module(f"benchmarks.corpus.programs.{program}")
+        prog = module.build(np.random.default_rng(seed))
+        phase = "training"
+        losses, ticks = [], []
+
+        def tick(loss):
+            losses.append(loss)
+            ticks.append(time.perf_counter())
+
+        start = time.perf_counter()
+        prog.train(steps, tick)
+        result["losses"] = [float(loss) for loss in losses]  # waits for work still in flight
+        end = time.perf_counter()
+        half = len(ticks) // 2
+        result["total_s"] = end - start
+        # the second half alone: past tracing and graph generation (Terra's steady state)
+        result["second_half_s"] = end - ticks[half - 1] if half else None
+        result["second_half_steps"] = len(ticks) - half
+        phase = "saving variables"
+        values = {f"{i:04d} {v.name}": np.asarray(v.numpy())
+                  for i, v in enumerate(prog.variables())}
+        np.savez(variables_path, **values)
+        result["variables"] = len(values)
+    except Exception as error:  # reported, not handled: a failing run is a result
+        result["error"] = f"{type(error).__name__} during {phase}: {str(error)[:300]}"
+        result["traceback"] = traceback.format_exc()[-4000:]
+    if mode == "terra":
+        result.update(_terra_report())
+    return result
+
+
+def _terra_report() -> dict:
+    import terra
+
+    stats = terra.stats()
+    fields = ("iterations", "traces", "fallbacks", "graph_generations", "coexecuted", "phase")
+    try:
+        explain = str(terra.explain())
+    except Exception as error:  # the report must not hide the run's own outcome
+        explain = f"terra.explain() raised {type(error).__name__}: {error}"
+    return dict(stats={f: getattr(stats, f) for f in fields},
+                explain="\n".join(explain.splitlines()[:EXPLAIN_LINES]))
+
+
+def main(argv: list[str]) -> int:
+    result = run(**json.loads(argv[0]))
+    sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    # a runner thread left blocked by a failed run must not keep the process alive
+    sys.stderr.flush()
+    os._exit(code)
