@@ -815,7 +815,7 @@ def _shape_fn_decides(node):
         return True
     shapes = next(iter(node.sigs))
     try:
-        outputs = opdefs.scratch_output_shapes(node.op_type, node.attrs, lambda: [
+        outputs = opdefs.scratch_output_shapes(node.op_type, node.attrs, [
             _scratch_input(node, i, shape) for i, shape in enumerate(shapes)])
     except (ValueError, TypeError, errors.OpError):
         return True  # the runner's inference fails alike: a new shape falls back, as before
@@ -823,10 +823,11 @@ def _shape_fn_decides(node):
 
 
 def _scratch_input(node, i, shape):
-    """Input ``i`` of ``node`` in a scratch graph, as the PythonRunner knows it."""
+    """Input ``i`` of ``node`` for ``opdefs.scratch_output_shapes``, as the PythonRunner
+    knows it."""
     slot = node.inputs[i]
     if slot.kind in ("const", "feed") and slot.value is not None:
-        return constant_op.constant(slot.value, dtype=slot.dtype)
+        return ("value", slot.value, dtypes.as_dtype(slot.dtype), None)
     if slot.kind == "node":
         producer, out = slot.alts[0]
         dtype = producer.out_specs[out][1]
@@ -834,10 +835,10 @@ def _scratch_input(node, i, shape):
         producer, k = slot.alts[0]
         dtype = producer.inputs[k].dtype
     elif slot.kind == "var":  # the variable's shape rides on its handle
-        return opdefs.scratch_handle(slot.tensor)
+        return ("handle", slot.tensor, None, None)
     else:
         dtype = dtypes.resource if slot.kind == "resource" else slot.dtype
-    return array_ops.placeholder(dtype, shape)
+    return ("shape", None, dtypes.as_dtype(dtype), shape)
 
 
 def _placeholder(dtype, shape):

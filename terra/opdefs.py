@@ -6,9 +6,18 @@ into ``AttrValue`` protos. Keeping the OpDef parsing here keeps those three cons
 """
 
 import functools
+import threading
 
+import numpy as np
 from tensorflow.core.framework import attr_value_pb2
-from tensorflow.python.framework import dtypes, op_def_registry, ops, tensor_shape, tensor_util
+from tensorflow.python.framework import (
+    constant_op,
+    dtypes,
+    op_def_registry,
+    ops,
+    tensor_shape,
+    tensor_util,
+)
 from tensorflow.python.ops import array_ops, handle_data_util
 
 # Stateful ops that act on variables stay in the symbolic graph (paper §3.3.1): automatic
@@ -196,20 +205,63 @@ def attr_protos(op_type, attrs):
             for name, value in attrs if name in types and value is not None}
 
 
-def scratch_handle(handle):
-    """A placeholder for an eager resource ``handle`` in the current (scratch) graph, with the
-    handle's shape and dtype data, so shape functions of ops reading it see the variable's
-    shape."""
+class _Scratch:
+    """One scratch graph for shape inference, reused across calls: its placeholders (by dtype
+    and shape), constants (by dtype, shape and bytes) and variable handles are made once, so
+    inferring an op's output shapes costs one op added to the graph, not a graph and every
+    input's op (a sequence length new at every step asks for hundreds of inferences)."""
+
+    LIMIT = 20000  # ops, then a fresh graph
+
+    def __init__(self):
+        self.graph = None
+        self.inputs = {}
+        self.ops = 0
+
+    def tensor(self, kind, key, make):
+        t = self.inputs.get((kind, key))
+        if t is None:
+            with self.graph.as_default():
+                t = self.inputs[(kind, key)] = make()
+        return t
+
+    def output_shapes(self, op_type, attrs, inputs):
+        if self.graph is None or self.ops > self.LIMIT:
+            self.graph, self.inputs, self.ops = ops.Graph(), {}, 0
+        self.ops += 1
+        tensors = []
+        for kind, value, dtype, shape in inputs:
+            if kind == "value":
+                value = np.asarray(value)
+                tensors.append(self.tensor(kind, (dtype, value.shape, value.tobytes()),
+                                           lambda v=value, d=dtype: constant_op.constant(v, d)))
+            elif kind == "handle":  # the variable's shape and dtype ride on its handle data
+                tensors.append(self.tensor(kind, value._id, lambda h=value: _handle_of(h)))
+            else:
+                key = (dtype, None if shape is None else tuple(shape))
+                tensors.append(self.tensor(kind, key, lambda d=dtype, s=shape:
+                                           array_ops.placeholder(d, s)))
+        with self.graph.as_default():
+            op = self.graph._create_op_internal(op_type, tensors,
+                                                attrs=attr_protos(op_type, attrs))
+        return [t.shape for t in op.outputs]
+
+
+def _handle_of(handle):
     placeholder = array_ops.placeholder(dtypes.resource, ())
     handle_data_util.copy_handle_data(handle, placeholder)
     return placeholder
 
 
-def scratch_output_shapes(op_type, attrs, make_inputs):
-    """The output shapes ``op_type``'s shape function gives (TF's graph-mode shape inference):
-    the op is built in a scratch graph on the inputs ``make_inputs()`` creates there
-    (constants where values are known, placeholders, :func:`scratch_handle`). Raises what
-    ``create_op`` raises when the shape function rejects them."""
-    with ops.Graph().as_default() as graph:
-        op = graph._create_op_internal(op_type, make_inputs(), attrs=attr_protos(op_type, attrs))
-    return [t.shape for t in op.outputs]
+_scratch = _Scratch()
+_scratch_lock = threading.Lock()
+
+
+def scratch_output_shapes(op_type, attrs, inputs):
+    """The output shapes ``op_type``'s shape function gives (TF's graph-mode shape inference)
+    on ``inputs``, each ``(kind, value, dtype, shape)``: ``("value", array, dtype, None)`` a
+    known value, ``("handle", eager handle, None, None)`` a variable (its shape data), or
+    ``("shape", None, dtype, shape)`` a tensor of that shape. Raises what ``create_op``
+    raises when the shape function rejects them."""
+    with _scratch_lock:
+        return _scratch.output_shapes(op_type, attrs, inputs)

@@ -22,7 +22,7 @@ import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
-from tensorflow.python.ops import array_ops, resource_variable_ops
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
 from terra import opdefs
@@ -605,10 +605,10 @@ class PythonRunner:
         known = [self.tensors.get(a._id) is None and a._num_elements() <= SMALL_CONST and
                  a.dtype != dtypes.resource for a in flat]
         try:
-            outputs = opdefs.scratch_output_shapes(step.op_type, step.attrs, lambda: [
-                constant_op.constant(a) if k else
-                opdefs.scratch_handle(a) if a.dtype == dtypes.resource else
-                array_ops.placeholder(a.dtype, shape)
+            outputs = opdefs.scratch_output_shapes(step.op_type, step.attrs, [
+                ("value", a._numpy_internal(), a.dtype, None) if k else
+                ("handle", a, None, None) if a.dtype == dtypes.resource else
+                ("shape", None, a.dtype, shape)
                 for a, k, shape in zip(flat, known, key, strict=True)])
         except (ValueError, TypeError, errors.OpError) as e:  # the shape function rejects them
             raise Mismatch(f"{step.op_type} called with new input shapes {key}: {e}",
