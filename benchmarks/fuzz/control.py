@@ -1,0 +1,127 @@
+"""Features that change the op path from step to step: Python control flow and shapes.
+
+Each one is the kind of code Terra must follow by tracing: branches on a step counter, on a
+value fetched from the graph, on Python's ``random``, on an attribute mutated between steps;
+loops whose trip count varies; exceptions, generators and recursion choosing the ops; steps
+skipped or the loop left early; batch size and sequence length changing per step.
+"""
+
+from .snippets import feature
+
+
+def _pick_op(rng):
+    """A shape-preserving transformation of ``h``, as an expression."""
+    return rng.choice(["tf.nn.relu(h)", "tf.tanh(h) * 1.5", "h - tf.reduce_mean(h, axis=0)",
+                       "h * tf.sigmoid(h)", "tf.nn.softplus(h) - 0.5", "h / (1.0 + tf.abs(h))"])
+
+
+@feature("if_counter")
+def if_counter(rng, tag, base):
+    k = rng.choice([2, 3, 4])
+    r = rng.randrange(k)
+    return {"forward": [f"if step % {k} == {r}:\n    h = {_pick_op(rng)}\n"
+                        f"else:\n    h = h * {rng.choice([0.5, 0.9, 1.1])}"]}
+
+
+@feature("if_fetched")
+def if_fetched(rng, tag, base):
+    threshold = round(rng.uniform(0.2, 0.7), 2)
+    reduce = rng.choice(["tf.reduce_mean(tf.abs(h))", "tf.reduce_max(h)", "tf.math.reduce_std(h)"])
+    return {"forward": [f"if float({reduce}) > {threshold}:\n    h = {_pick_op(rng)}"]}
+
+
+@feature("if_loss_outside")
+def if_loss_outside(rng, tag, base):
+    """A decision taken on the fetched loss after the step, acted on in the next one."""
+    threshold = round(rng.uniform(0.3, 1.5), 2)
+    return {"helpers": [f"state.{tag}_scale = 1.0"],
+            "forward": [f"h = h * state.{tag}_scale"],
+            "after": [f"state.{tag}_scale = 0.5 if float(loss) > {threshold} else 1.0"]}
+
+
+@feature("if_random")
+def if_random(rng, tag, base):
+    p = round(rng.uniform(0.3, 0.7), 2)
+    return {"forward": [f"if random.random() < {p}:\n    h = {_pick_op(rng)}"]}
+
+
+@feature("if_attribute")
+def if_attribute(rng, tag, base):
+    inc = rng.choice([1, 2])
+    return {"helpers": [f"state.{tag}_mode = 0"],
+            "forward": [f"if state.{tag}_mode == 1:\n    h = {_pick_op(rng)}\n"
+                        f"elif state.{tag}_mode == 2:\n    h = {_pick_op(rng)}"],
+            "after": [f"state.{tag}_mode = (state.{tag}_mode + {inc}) % 3"]}
+
+
+@feature("for_trips")
+def for_trips(rng, tag, base):
+    trips = rng.choice([f"1 + step % {rng.choice([2, 3])}", "random.randint(0, 2)",
+                        f"(step * {rng.choice([3, 5])}) % 4"])
+    return {"helpers": [f"{tag}_m = tf.Variable(np.eye(H, dtype=np.float32) * 0.5)",
+                        f"extra.append({tag}_m)"],
+            "forward": [f"for _ in range({trips}):\n    h = tf.tanh(h @ {tag}_m) + 0.5 * h"]}
+
+
+@feature("while_fetched")
+def while_fetched(rng, tag, base):
+    threshold = round(rng.uniform(0.3, 0.9), 2)
+    return {"forward": [f"{tag}_n = 0",
+                        f"while {tag}_n < 3 and float(tf.reduce_max(tf.abs(h))) > {threshold}:\n"
+                        f"    h = h * 0.7\n    {tag}_n += 1"]}
+
+
+@feature("try_except")
+def try_except(rng, tag, base):
+    k = rng.choice([2, 3, 4])
+    condition = rng.choice([f"step % {k} == {rng.randrange(k)}",
+                            f"float(tf.reduce_mean(h)) > {round(rng.uniform(-0.1, 0.1), 2)}"])
+    return {"helpers": [f"def {tag}_risky(h, step):\n    if {condition}:\n"
+                        f"        raise ValueError('refused')\n    return h * 1.1"],
+            "forward": [f"try:\n    h = {tag}_risky(h, step)\nexcept ValueError:\n"
+                        f"    h = {_pick_op(rng)}"]}
+
+
+@feature("generator")
+def generator(rng, tag, base):
+    m = rng.choice([2, 3])
+    return {"helpers": [f"def {tag}_scales(n):\n    for i in range(n):\n"
+                        f"        yield 1.0 / (i + 2)"],
+            "forward": [f"for {tag}_s in {tag}_scales(1 + step % {m}):\n"
+                        f"    h = h + {tag}_s * tf.sin(h)"]}
+
+
+@feature("recursion")
+def recursion(rng, tag, base):
+    a, m = rng.choice([1, 3, 7]), rng.choice([2, 3, 4])
+    return {"helpers": [f"def {tag}_deep(h, depth):\n    if depth == 0:\n        return h\n"
+                        f"    return {tag}_deep(tf.tanh(h) + 0.5 * h, depth - 1)"],
+            "forward": [f"h = {tag}_deep(h, (step * {a}) % {m})"]}
+
+
+@feature("skip_step")
+def skip_step(rng, tag, base):
+    k = rng.choice([4, 5, 7])
+    r = rng.randrange(1, k)
+    where = rng.choice(["top", "grads"])  # before the tape, or between gradient and update
+    return {where: [f"if step % {k} == {r}:\n    continue"]}
+
+
+@feature("break_early")
+def break_early(rng, tag, base):
+    condition = rng.choice([f"step == STEPS - {rng.choice([2, 3])}",
+                            f"step > 8 and float(loss) < {round(rng.uniform(0.05, 0.4), 2)}"])
+    return {"after": [f"if {condition}:\n    break"]}
+
+
+@feature("vary_batch")
+def vary_batch(rng, tag, base):
+    sizes = tuple(rng.sample([3, 4, 6, 8, 12], rng.choice([2, 3])))
+    pick = rng.choice([f"{sizes}[step % {len(sizes)}]", f"random.choice({sizes})"])
+    return {"shape": [f"batch = {pick}"]}
+
+
+@feature("vary_seq", fits=lambda base: base.inputs != "dense")
+def vary_seq(rng, tag, base):
+    pick = rng.choice(["2 + step % 3", "random.randint(2, 5)", "(3, 5)[step % 2]"])
+    return {"shape": [f"seq = {pick}"]}

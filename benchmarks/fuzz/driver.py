@@ -1,0 +1,131 @@
+"""The fuzz loop: generate, run in parallel, report, write and minimize the failures.
+
+A program's identity is its seed plus the generation options (steps, --only, --disable), so
+each failure line carries the one command that draws it again. Failures are grouped by symptom
+(kind plus the Terra error or first fallback category): one minimized reproduction per
+distinct symptom is worth more than many copies of the same bug.
+"""
+
+import dataclasses
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .minimize import minimize
+from .program import DEFAULT_STEPS, generate, render
+from .runner import Result, run
+
+
+@dataclasses.dataclass
+class Options:
+    count: int = 40
+    seed: int = 0
+    steps: int = DEFAULT_STEPS
+    jobs: int = 1
+    timeout: float = 120.0
+    out: str = "fuzz-failures"
+    only: list = dataclasses.field(default_factory=list)
+    disabled: list = dataclasses.field(default_factory=list)
+    min_trials: int = 30
+    show: bool = False
+
+    def command(self, seed: int) -> str:
+        """The command that draws program ``seed`` again, with these generation options."""
+        parts = [f"python -m benchmarks.fuzz --seed {seed} --count 1"]
+        if self.steps != DEFAULT_STEPS:
+            parts.append(f"--steps {self.steps}")
+        if self.only:
+            parts.append(f"--only {','.join(self.only)}")
+        if self.disabled:
+            parts.append(f"--disable {','.join(self.disabled)}")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass
+class Summary:
+    results: list
+
+    def count(self, kind: str) -> int:
+        return sum(r.kind == kind for r in self.results)
+
+    def line(self) -> str:
+        coexecuted = sum(bool(r.verdict.get("coexecuted")) for r in self.results)
+        return (f"{len(self.results)} programs, {self.count('mismatch')} mismatches, "
+                f"{self.count('crash')} crashes, {self.count('hang')} hangs, "
+                f"{coexecuted} co-executed")
+
+
+def fuzz(options: Options) -> int:
+    """Run the campaign; the exit status is 1 if any program failed or was invalid."""
+    if options.show:
+        print(render(_program(options, options.seed)))
+        return 0
+    results = []
+    with ThreadPoolExecutor(max(1, options.jobs)) as pool:
+        for result in campaign(options, pool):
+            results.append(result)
+            if result.failed or result.kind == "invalid":
+                print(failure_line(result, options), flush=True)
+        groups = _by_symptom([r for r in results if r.failed])
+        if groups:
+            print(f"{len(groups)} distinct symptoms:", flush=True)
+        list(pool.map(lambda group: _keep(group, options), groups.items()))
+    summary = Summary(results)
+    invalid = summary.count("invalid")
+    if invalid:
+        print(f"{invalid} invalid programs (eager itself failed: a generator bug)")
+    print(summary.line(), flush=True)
+    return 1 if any(r.failed or r.kind == "invalid" for r in results) else 0
+
+
+def campaign(options: Options, pool):
+    """The results of programs ``seed .. seed + count - 1``, in seed order, as they come."""
+    seeds = range(options.seed, options.seed + options.count)
+    return pool.map(lambda s: run(_program(options, s), options.timeout), seeds)
+
+
+def _program(options: Options, seed: int):
+    return generate(seed, options.steps, options.only, options.disabled, options.command(seed))
+
+
+def failure_line(result: Result, options: Options) -> str:
+    v = result.verdict
+    step = f" step {v['step']}" if v.get("step") is not None else ""
+    reason = f" | explain: {v['reason']}" if v.get("reason") else ""
+    return (f"seed {result.program.seed}: {v['kind']}{step}: {v['detail'][:300]}{reason} "
+            f"| features: {','.join(result.program.features)} "
+            f"| repro: {options.command(result.program.seed)}")
+
+
+def symptom(result: Result) -> tuple:
+    """Failures with equal symptoms are probably one bug: the kind, the crash's exception type
+    (or the hang's phase), and the category of Terra's first fallback or error."""
+    v = result.verdict
+    head = v["detail"].split(":")[0] if result.kind != "mismatch" else ""
+    category = re.sub(r" at .*", "", v.get("reason", ""))
+    return result.kind, head, category
+
+
+def _by_symptom(failures: list) -> dict:
+    groups: dict = {}
+    for result in failures:
+        groups.setdefault(symptom(result), []).append(result)
+    return groups
+
+
+def _keep(group, options: Options) -> None:
+    """Write every failing program of one symptom; minimize the first (smallest) one."""
+    key, results = group
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for result in results:
+        (out / f"{result.program.seed}.py").write_text(render(result.program))
+    first = min(results, key=lambda r: (len(r.program.snippets), r.program.seed))
+    line = f"  {' / '.join(k for k in key if k)}: seeds {[r.program.seed for r in results]}"
+    if options.min_trials > 0:
+        small = minimize(first, lambda p: run(p, options.timeout), options.min_trials)
+        path = out / f"{first.program.seed}.min.py"
+        path.write_text(render(small.program))
+        line += (f"; minimized seed {first.program.seed} to {small.program.features} "
+                 f"({small.program.steps} steps): {path}")
+    print(line, flush=True)
