@@ -86,7 +86,17 @@ class TracingDoor:
         return a
 
     def fast(self, ctx, op_type, name, args):
-        return interception.ORIGINAL_FAST(ctx, op_type, name, *[self._arg(a) for a in args])
+        recorder = self.runtime.recorder
+        start = len(recorder.records) if recorder is not None else 0
+        real = [self._arg(a) for a in args]
+        try:
+            return interception.ORIGINAL_FAST(ctx, op_type, name, *real)
+        except _FallbackException:
+            # the op wrapper takes its slow path, which reads the variables again: the reads
+            # made here for the fast path were never seen by eager (C reads them unseen)
+            if recorder is not None:
+                recorder.forget(start)
+            raise
 
     def custom_gradient(self, *record):
         if self.runtime.recorder is not None:
@@ -231,13 +241,16 @@ class Runtime:
         self.open_tapes.remove(tape)
 
     def tape_watch(self, tape, tensors):
+        # A watched variable is its handle, as TF's tape watches it (not a read of its value,
+        # which would leave the variable itself unwatched)
+        handles = [_handle_or_self(t) for t in tensors]
         if self.phase == "coexecution" and self._coexec(
-                lambda: self.runner.mark("watch", tape.mark_attrs, tensors, tape)):
+                lambda: self.runner.mark("watch", tape.mark_attrs, handles, tape)):
             return
-        tensors = [self.tracing_door._arg(t) for t in tensors]
-        tape.real.watch(tensors)
+        handles = [self.tracing_door._arg(t) if type(t) is _EagerTensor else t for t in handles]
+        tape.real.watch(handles)
         if self.phase == "tracing":
-            self.recorder.mark("watch", tape.mark_attrs, tensors)
+            self.recorder.mark("watch", tape.mark_attrs, handles)
 
     def tape_gradient(self, tape, target, sources, output_gradients, unconnected):
         flat_sources = nest.flatten(sources)

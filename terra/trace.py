@@ -127,6 +127,7 @@ class Recorder:
         index = len(self.records)
         in_graph = opdefs.info(op_type).in_graph
         refs = []
+        firsts = {}
         for k, t in enumerate(inputs):
             r = self.ref(t)
             if r[0] == "ext":
@@ -134,14 +135,32 @@ class Recorder:
                 if first is not None:
                     r = ("same", *first)  # one feed per value, however many ops read it
                 elif in_graph:
-                    self.ext_first[t._id] = (index, k)
+                    firsts.setdefault(t._id, (index, k))
             refs.append(r)
+        # known to later ops only: an op reading one value twice (a fused BatchNorm's empty
+        # mean and variance) reads it as two external inputs, never as itself
+        self.ext_first.update(firsts)
         location, site = self._where()
         rec = OpRecord("op", op_type, opdefs.normalize_attrs(op_type, attrs), refs,
                        tuple(spec_of(t) for t in outputs), location, in_graph, site)
         self.records.append(rec)
         self._outputs(index, rec, outputs)
         return rec
+
+    def forget(self, start):
+        """Drop the records from ``start`` on: variable reads made for an op call that did not
+        happen (its arguments are prepared again another way)."""
+        if any(rec.op_type != "ReadVariableOp" for rec in self.records[start:]):
+            self.broken = f"ops other than variable reads to forget: {self.records[start:]}"
+            self.aborted = True
+            return
+        del self.records[start:]
+        producer = self.producer  # the dropped outputs are the latest entries
+        while producer:
+            last = next(reversed(producer))
+            if producer[last][1] < start:
+                break
+            del producer[last]
 
     def callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not None or self.broken is not None:

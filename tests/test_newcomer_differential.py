@@ -327,3 +327,66 @@ def test_finding_user_frames_does_not_import_keras_3():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "TF_USE_LEGACY_KERAS": "1"}, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+
+
+# -- patterns of dm-sonnet and tf_keras' optimizer.minimize -------------------------------
+
+
+def fused_batch_norm_shared_constant(tape_cls, steps):
+    """Like ``snt.BatchNorm`` on images: ``FusedBatchNormV2`` in training mode with one empty
+    constant as both mean and variance, and an int given for a float attr (the op wrapper's
+    fast path refuses it and its slow path reads the variables again). The first once made
+    the merge crash (an input referring to its own op), the second recorded four variable
+    reads where co-execution issues two: Terra ran eagerly or fell back at every step."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(4, 6, 6, 3)).astype("float32"))
+    scale = tf.Variable(tf.ones([3]))
+    offset = tf.Variable(tf.zeros([3]))
+    counter = tf.Variable(0, dtype=tf.int64)
+    average = tf.Variable(tf.zeros([3]))
+    empty = tf.constant([])
+    losses = []
+    for _ in range(steps):
+        with tape_cls() as tape:
+            out, mean, _, _, _ = tf.raw_ops.FusedBatchNormV2(
+                x=x * 2.0, mean=empty, variance=empty, scale=scale, offset=offset,
+                is_training=True, epsilon=1e-3, exponential_avg_factor=1,
+                data_format="NHWC")
+            counter.assign_add(1)
+            decay = tf.pow(0.9, tf.cast(counter, tf.float32))
+            average.assign_sub((average - mean) * (1 - 0.9) / (1 - decay))
+            loss = tf.reduce_mean(out * out * tf.range(3, dtype=tf.float32))
+        grads = tape.gradient(loss, [scale, offset])
+        scale.assign_sub(0.1 * grads[0])
+        offset.assign_sub(0.1 * grads[1])
+        losses.append(float(loss))
+    return {"losses": losses, "vars": [scale, offset, counter, average]}
+
+
+def test_fused_batch_norm_with_shared_constant_and_slow_path_coexecutes():
+    assert_same_as_eager(fused_batch_norm_shared_constant, 10, min_coexecuted=5)
+
+
+def watch_variables_first(tape_cls, steps):
+    """``tape.watch(var_list)`` before the loss, as tf_keras' ``optimizer.minimize`` does: the
+    watch once recorded a read of each variable (a read the co-executed watch never issues:
+    a fallback at every step), and with ``watch_accessed_variables=False`` it watched that
+    read instead of the variable, so the gradient was None."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(8, 3)))
+    w = tf.Variable(tf.ones([3], tf.float64))
+    b = tf.Variable(tf.zeros([], tf.float64))
+    losses = []
+    for step in range(steps):
+        with tape_cls(watch_accessed_variables=step % 2 == 0) as tape:
+            tape.watch([w, b])
+            loss = tf.reduce_sum(tf.exp(x * tf.nn.softplus(w)) + b)
+        grads = tape.gradient(loss, [w, b])
+        w.assign_sub(0.01 * grads[0])
+        b.assign_sub(0.01 * grads[1])
+        losses.append(float(loss))
+    return {"losses": losses, "vars": [w, b]}
+
+
+def test_watching_variables_inside_the_tape_coexecutes():
+    assert_same_as_eager(watch_variables_first, 12, min_coexecuted=5, max_traces=4)
