@@ -36,7 +36,12 @@ REGISTRY = {
     "sonnet_convnet_bn": Entry("dm-sonnet", SONNET),
     "sonnet_lstm": Entry("dm-sonnet", SONNET, quick=True),
     "tfp_bnn_elbo": Entry("tensorflow-probability", TFP, quick=True),
+    "tfp_maf_flow": Entry("tensorflow-probability", TFP),
     "gpflow_gpr": Entry("gpflow", GPFLOW, env=LEGACY_KERAS),
+    "gpflow_svgp": Entry("gpflow", GPFLOW, env=LEGACY_KERAS),
+    "tfkeras_mobilenet": Entry("tf_keras", ("tf_keras",), env=LEGACY_KERAS),
+    "keras3_mobilenetv3": Entry("keras 3", ("keras",)),
+    "keras3_fit": Entry("keras 3", ("keras",)),
 }
 
 
