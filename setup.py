@@ -28,6 +28,6 @@ setup(
         "real": ["dm-sonnet==2.0.2", "dm-tree", "tabulate", "tensorflow-probability==0.25.0",
                  "decorator", "cloudpickle", "gpflow==2.11.2", "check-shapes", "dropstackframe",
                  "lark", "deprecated", "multipledispatch", "scipy", "tf-agents==0.19.0",
-                 "gin-config", "gym==0.23.0", "gym-notices"],
+                 "gin-config", "gym==0.23.0", "gym-notices", "tensorboard"],
     },
 )

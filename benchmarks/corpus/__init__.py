@@ -42,6 +42,7 @@ REGISTRY = {
     "tfkeras_mobilenet": Entry("tf_keras", ("tf_keras",), env=LEGACY_KERAS),
     "keras3_mobilenetv3": Entry("keras 3", ("keras",)),
     "keras3_fit": Entry("keras 3", ("keras",)),
+    "tfagents_dqn": Entry("tf-agents", ("tf_agents", "gin", "gym", *TFP), env=LEGACY_KERAS),
 }
 
 
