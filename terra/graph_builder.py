@@ -66,6 +66,9 @@ from terra.tracegraph import NodeKind, TraceNode, relax
 
 _READ_ONLY_VAR_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
                                 "VariableShape"})
+# Outputs whose graph shape TF leaves unknown although it depends on nothing but the input
+# shapes (a kernel's scratch space): not data-dependent, so not fetched
+_SCRATCH_OUTPUTS = {"FusedBatchNormV3": frozenset({5}), "_FusedBatchNormEx": frozenset({5})}
 _names = itertools.count()
 _INT32 = dtypes.int32.as_datatype_enum
 
@@ -604,8 +607,20 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
                 for slot in step.slots:
                     if slot.kind == "var":
                         written.setdefault(slot.tensor._id, (slot.tensor, _var_dtype(node)))
+            for k, t in enumerate(op.outputs):  # decided for all outputs before any is
+                note_dynamic(step, k, t)  # emitted: a data-dependent op fetches every one
             for k, t in enumerate(op.outputs):
                 output(step, k, t, env, last_fetch)
+
+        def note_dynamic(step, k, t):
+            """Whether output ``k`` of ``step`` (``t`` in the graph) has a shape its input
+            shapes do not imply: the op's outputs are then fetched, not stood in for."""
+            node = step.node
+            if k in _SCRATCH_OUTPUTS.get(node.op_type, ()):
+                return
+            if not t.shape.is_fully_defined() and not step.check_shapes or node.data_dependent \
+                    or step.check_shapes and k == 0 and not _shape_fn_decides(node):
+                step.dynamic = True
 
         def output(step, k, t, env, last_fetch):
             """Output ``k`` of ``step`` is ``t``: what later ops read, and a fetch if Python
@@ -614,9 +629,7 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
             define(env, ("v", node, k), t)
             if t.dtype.as_datatype_enum != step.out_specs[k][1]:
                 raise AssertionError(f"{node.format()}: graph dtype {t.dtype} differs")
-            if not t.shape.is_fully_defined() and not step.check_shapes or node.data_dependent \
-                    or step.check_shapes and k == 0 and not _shape_fn_decides(node):
-                step.dynamic = True  # shape not implied by input shapes: data-dependent
+            note_dynamic(step, k, t)
             wanted = (k in node.fetched or k in node.escaped
                       or (node, k) in consumers_needing_value)
             if wanted or step.dynamic and node not in unseen:

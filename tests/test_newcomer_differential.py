@@ -390,3 +390,49 @@ def watch_variables_first(tape_cls, steps):
 
 def test_watching_variables_inside_the_tape_coexecutes():
     assert_same_as_eager(watch_variables_first, 12, min_coexecuted=5, max_traces=4)
+
+
+# -- tf_keras BatchNormalization: fused, with an output of unknown graph shape -------------
+
+
+def tf_keras_fused_batch_norm_branches(tape_cls, steps):
+    """tf_keras' BatchNormalization runs ``FusedBatchNormV3``, whose last output (kernel
+    scratch space) has no static shape in a graph. Generation once marked only that output
+    data-dependent, while co-execution then fetched every output of the op: a "new fetch
+    point" fallback at every step, for good (a pre-activation ResNet drawing its blocks with
+    Python's ``random`` gave up after four)."""
+    import random
+
+    import tf_keras
+
+    tf_keras.utils.set_random_seed(0)
+    random.seed(0)
+    layers = tf_keras.layers
+    stem = layers.Conv2D(4, 3, padding="same")
+    norms = [layers.BatchNormalization(), layers.BatchNormalization()]
+    head = tf_keras.Sequential([layers.GlobalAveragePooling2D(), layers.Dense(3)])
+    optimizer = tf_keras.optimizers.SGD(0.05, momentum=0.9)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 8, 8, 3)).astype("float32")
+    y = rng.normal(size=(4, 3)).astype("float32")
+    for norm in norms:  # build both branches, so the optimizer knows every variable
+        head(tf.nn.relu(norm(stem(x), training=True)))
+    variables = stem.trainable_variables + head.trainable_variables + [
+        v for n in norms for v in n.trainable_variables]
+    optimizer.build(variables)
+    losses = []
+    for _ in range(steps):
+        norm = norms[random.random() < 0.5]
+        with tape_cls() as tape:
+            loss = tf.reduce_mean(tf.square(head(tf.nn.relu(norm(stem(x), training=True))) - y))
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients((g, v) for g, v in zip(grads, variables) if g is not None)
+        losses.append(float(loss))
+    return {"losses": losses, "vars": [v for n in norms for v in n.variables] + variables,
+            "optimizer": optimizer.variables()}
+
+
+def test_tf_keras_fused_batch_norm_branches_coexecute():
+    assert_same_as_eager(tf_keras_fused_batch_norm_branches, 16, rtol=1e-4,
+                         env={"TF_USE_LEGACY_KERAS": "1"}, expect_fallbacks=(0, None),
+                         max_traces=10, min_coexecuted=6)
