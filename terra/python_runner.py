@@ -22,10 +22,10 @@ import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
-from tensorflow.python.ops import resource_variable_ops
+from tensorflow.python.ops import gen_optional_ops, resource_variable_ops
 from tensorflow.python.util import nest
 
-from terra import opdefs
+from terra import interception, opdefs
 from terra.graph_builder import Step
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
@@ -567,6 +567,12 @@ class PythonRunner:
     def _dummy(self, spec):
         shape, dtype = spec
         dt = dtypes.as_dtype(dtype)
+        if dt == dtypes.variant and shape == ():
+            # a variant is opaque to Python: only ops read it (tf.experimental.Optional's
+            # has_value/get_value, which Keras 3's fit calls every step), and those are matched
+            with interception.paused():
+                dummy = self._dummies[spec] = gen_optional_ops.optional_none()
+            return dummy
         if dt in (dtypes.resource, dtypes.variant):
             raise Mismatch(f"cannot stand in for a {dt.name} tensor", "unsupported")
         fill = b"" if dt == dtypes.string else 0

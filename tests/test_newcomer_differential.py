@@ -436,3 +436,29 @@ def test_tf_keras_fused_batch_norm_branches_coexecute():
     assert_same_as_eager(tf_keras_fused_batch_norm_branches, 16, rtol=1e-4,
                          env={"TF_USE_LEGACY_KERAS": "1"}, expect_fallbacks=(0, None),
                          max_traces=10, min_coexecuted=6)
+
+
+# -- Keras 3's fit: every step's outputs wrapped in a tf.experimental.Optional --------------
+
+
+def outputs_in_an_optional(tape_cls, steps):
+    """Keras 3's trainer wraps each step's logs in ``tf.experimental.Optional.from_value``
+    and reads them back with ``has_value()``/``get_value()``: a variant tensor, which Terra
+    once could not stand in for (a fallback at every step; ``fit(run_eagerly=True)`` under
+    ``terra.enable()`` never co-executed)."""
+    w = tf.Variable(tf.linspace(0.0, 1.0, 12)[None, :] * tf.ones([4, 1]))
+    data = tf.reshape(tf.range(steps * 8, dtype=tf.float32), [steps, 2, 4]) / 100.0
+    losses = []
+    for step in range(steps):
+        with tape_cls() as tape:
+            loss = tf.reduce_mean(tf.square(data[step] @ w - 1.0))
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        logs = tf.experimental.Optional.from_value({"loss": loss, "w": w.read_value()})
+        if not logs.has_value():
+            break
+        losses.append(logs.get_value()["loss"])
+    return {"losses": losses, "vars": [w]}
+
+
+def test_outputs_wrapped_in_an_optional_coexecute():
+    assert_same_as_eager(outputs_in_an_optional, 12, min_coexecuted=6)
