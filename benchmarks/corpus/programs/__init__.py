@@ -7,6 +7,8 @@ library's own initializers and samplers draw the same numbers in the eager and t
 
 from __future__ import annotations
 
+import tensorflow as tf
+
 
 class Program:
     """One training program: ``step()`` runs one training step of the library and returns its
@@ -15,8 +17,17 @@ class Program:
     the run changes (model and optimizer state), in a fixed order, for the final comparison.
 
     ``train`` is the loop; a program whose library owns the loop (``model.fit``) overrides it
-    and reports each step's loss through ``tick`` from a callback.
+    and reports each step's loss through ``tick`` from a callback. ``next_batch`` cycles
+    through ``data``, a few pre-made batches (the same in both runs).
     """
+
+    data: list = []
+    _cursor = 0
+
+    def next_batch(self):
+        batch = self.data[self._cursor % len(self.data)]
+        self._cursor += 1
+        return batch
 
     def step(self):
         raise NotImplementedError
@@ -34,3 +45,26 @@ def optimizer_variables(optimizer) -> list:
     Keras 3 and Sonnet ones."""
     found = optimizer.variables
     return list(found() if callable(found) else found)
+
+
+def image_batches(rng, count: int, batch: int, size: int, classes: int) -> list:
+    """``count`` batches of (``size`` x ``size`` RGB images, integer labels)."""
+    return [(tf.constant(rng.normal(size=(batch, size, size, 3)), tf.float32),
+             tf.constant(rng.integers(0, classes, batch)))
+            for _ in range(count)]
+
+
+class KerasTapeLoop(Program):
+    """The custom loop of Keras' "training loop from scratch" guide, for a Keras 3 or a tf_keras
+    classifier: subclasses set ``model``, ``loss_fn``, ``optimizer`` and ``data``."""
+
+    def step(self):
+        images, labels = self.next_batch()
+        with tf.GradientTape() as tape:
+            loss = self.loss_fn(labels, self.model(images, training=True))
+        params = self.model.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, params), params))
+        return loss
+
+    def variables(self):
+        return [*self.model.variables, *optimizer_variables(self.optimizer)]

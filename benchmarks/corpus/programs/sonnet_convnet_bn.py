@@ -5,7 +5,8 @@ trained with ``snt.optimizers.Momentum`` and a tape on 32x32 RGB images (CIFAR-1
 import sonnet as snt
 import tensorflow as tf
 
-from benchmarks.corpus.programs import Program
+from benchmarks.corpus.programs import image_batches
+from benchmarks.corpus.programs.sonnet_mlp import SonnetClassifier
 
 BATCH, CLASSES, BATCHES = 32, 10, 6
 
@@ -24,28 +25,14 @@ class ConvNet(snt.Module):
         return self.head(tf.reduce_mean(x, axis=[1, 2]))
 
 
-class SonnetConvNet(Program):
+class SonnetConvNet(SonnetClassifier):
     def __init__(self, rng):
         self.model = ConvNet()
         self.optimizer = snt.optimizers.Momentum(learning_rate=0.05, momentum=0.9)
-        self.data = [(tf.constant(rng.normal(size=(BATCH, 32, 32, 3)), tf.float32),
-                      tf.constant(rng.integers(0, CLASSES, BATCH)))
-                     for _ in range(BATCHES)]
-        self.i = 0
+        self.data = image_batches(rng, BATCHES, BATCH, 32, CLASSES)
 
-    def step(self):
-        images, labels = self.data[self.i % BATCHES]
-        self.i += 1
-        with tf.GradientTape() as tape:
-            logits = self.model(images, is_training=True)
-            loss = tf.reduce_mean(
-                tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
-        params = self.model.trainable_variables
-        self.optimizer.apply(tape.gradient(loss, params), params)
-        return loss
-
-    def variables(self):
-        return [*self.model.variables, *self.optimizer.variables]
+    def logits(self, images):
+        return self.model(images, is_training=True)
 
 
 def build(rng):

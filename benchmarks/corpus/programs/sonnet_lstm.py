@@ -23,11 +23,9 @@ class SonnetLSTM(Program):
             waves = np.sin(t + phase) + 0.05 * rng.normal(size=(TIME + 1, BATCH, 1))
             self.data.append((tf.constant(waves[:-1], tf.float32),  # time-major inputs
                               tf.constant(waves[1:], tf.float32)))
-        self.i = 0
 
     def step(self):
-        inputs, targets = self.data[self.i % BATCHES]
-        self.i += 1
+        inputs, targets = self.next_batch()
         with tf.GradientTape() as tape:
             outputs, _ = snt.static_unroll(self.core, inputs, self.core.initial_state(BATCH))
             predictions = snt.BatchApply(self.readout)(outputs)

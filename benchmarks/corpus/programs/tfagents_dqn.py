@@ -48,12 +48,9 @@ class DQN(Program):
             train_step_counter=tf.Variable(0, dtype=tf.int64))
         self.agent.initialize()
         self.data = [experience(rng) for _ in range(BATCHES)]
-        self.i = 0
 
     def step(self):
-        loss_info = self.agent.train(self.data[self.i % BATCHES])
-        self.i += 1
-        return loss_info.loss
+        return self.agent.train(self.next_batch()).loss
 
     def variables(self):
         unique = {id(v): v for v in [*self.agent.variables, *optimizer_variables(self.optimizer)]}

@@ -26,11 +26,9 @@ class BayesianRegression(Program):
             y = x @ true_w + 0.1 * rng.normal(size=(BATCH, 1))
             self.data.append((tf.constant(x, tf.float32), tf.constant(y, tf.float32)))
         self.likelihood_scale = 0.5
-        self.i = 0
 
     def step(self):
-        x, y = self.data[self.i % BATCHES]
-        self.i += 1
+        x, y = self.next_batch()
         with tf.GradientTape() as tape:
             predictions = self.model(x, training=True)
             likelihood = tfp.distributions.Normal(predictions, self.likelihood_scale)

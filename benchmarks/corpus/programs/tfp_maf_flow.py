@@ -33,11 +33,9 @@ class MaskedAutoregressiveFlow(Program):
         self.distribution.log_prob(tf.zeros([1, 2]))  # builds the MADE networks' weights
         self.optimizer = tf_keras.optimizers.Adam(learning_rate=1e-3)
         self.data = [tf.constant(two_moons(rng, BATCH), tf.float32) for _ in range(BATCHES)]
-        self.i = 0
 
     def step(self):
-        x = self.data[self.i % BATCHES]
-        self.i += 1
+        x = self.next_batch()
         params = self.distribution.trainable_variables
         with tf.GradientTape() as tape:
             loss = -tf.reduce_mean(self.distribution.log_prob(x))
