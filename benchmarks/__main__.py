@@ -19,6 +19,7 @@ from pathlib import Path
 from benchmarks import harness, report
 from benchmarks.modes import MODES
 from benchmarks.programs import PAPER, REGISTRY
+from benchmarks.worker import KERAS_VERSIONS
 
 DEFAULT_PROGRAMS = "mlp,convnet"
 DEFAULT_MODES = "eager,autograph,terra"
@@ -50,6 +51,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, help="warm-up steps per run (default: per program)")
     p.add_argument("--repeats", type=int, default=3, help="paired repeats (default 3)")
     p.add_argument("--config", choices=("quick", "large"), default="quick")
+    p.add_argument("--keras", type=int, choices=KERAS_VERSIONS, default=3,
+                   help="Keras the programs are built with: 3 (default) or 2 (tf_keras: every "
+                        "worker runs with TF_USE_LEGACY_KERAS=1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
     p.add_argument("--rtol", type=float, default=1e-4,
@@ -81,6 +85,12 @@ def _tf_version() -> str:
     return "?"
 
 
+def _keras_version(keras: int, runs) -> str:
+    """The Keras version(s) the runs recorded, else the installed one that was asked for."""
+    ran = sorted({r["keras_version"] for r in runs if "keras_version" in r})
+    return ", ".join(ran) or importlib.metadata.version("tf_keras" if keras == 2 else "keras")
+
+
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -99,13 +109,13 @@ def main(argv=None) -> int:
               for p in args.programs}
     runs = harness.measure(args.programs, args.modes, config=args.config, steps=steps,
                            warmup=warmup, repeats=args.repeats, seed=args.seed,
-                           timeout=args.timeout, inprocess=args.inprocess)
+                           timeout=args.timeout, inprocess=args.inprocess, keras=args.keras)
     rows = harness.summarize(runs, args.programs, args.modes, args.rtol, args.atol,
                              args.xla_rtol)
     meta = dict(
         command="python -m benchmarks " + shlex.join(sys.argv[1:] if argv is None else argv),
         date=datetime.datetime.now().isoformat(timespec="seconds"), machine=_machine(),
-        tensorflow=_tf_version(), keras=importlib.metadata.version("keras"),
+        tensorflow=_tf_version(), keras=_keras_version(args.keras, runs),
         python=platform.python_version(), programs=args.programs, modes=args.modes,
         config=args.config, steps=steps, warmup=warmup, repeats=args.repeats, seed=args.seed,
         rtol=args.rtol, xla_rtol=args.xla_rtol, atol=args.atol,

@@ -19,14 +19,17 @@ import numpy as np
 
 from benchmarks.modes import AUTOGRAPH_PEER, MODES, finish
 from benchmarks.programs import REGISTRY
-from benchmarks.worker import RESULT_TAG, run_one
+from benchmarks.worker import RESULT_TAG, keras_env, run_one
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(programs, modes, *, config, steps, warmup, repeats, seed, timeout, inprocess,
-            log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> list[dict]:
-    """All runs, as worker results plus ``repeat``. ``steps``/``warmup`` map program -> count."""
+            keras=3, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> list[dict]:
+    """All runs, as worker results plus ``repeat``. ``steps``/``warmup`` map program -> count;
+    ``keras`` is the Keras major version every run uses (2: tf_keras)."""
+    if inprocess:  # before the first run imports TensorFlow; later runs reuse its choice
+        os.environ.update(keras_env(keras))
     runs = []
     total = len(programs) * repeats * len(modes)
     started = time.perf_counter()
@@ -35,7 +38,7 @@ def measure(programs, modes, *, config, steps, warmup, repeats, seed, timeout, i
             shift = repeat % len(modes)
             for mode in modes[shift:] + modes[:shift]:
                 spec = dict(program=program, mode=mode, config=config, steps=steps[program],
-                            warmup=warmup[program], seed=seed)
+                            warmup=warmup[program], seed=seed, keras=keras)
                 log(f"[{len(runs) + 1}/{total}] {program} {mode} (repeat {repeat + 1}) ...")
                 run_start = time.perf_counter()
                 if inprocess:
@@ -57,6 +60,7 @@ def _run_subprocess(spec: dict, timeout: float) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.update(keras_env(spec["keras"]))
     cmd = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

@@ -18,6 +18,16 @@ import traceback
 
 RESULT_TAG = "@@benchmark-result "
 PROGRAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "programs")
+KERAS_VERSIONS = (2, 3)
+
+
+def keras_env(keras: int) -> dict[str, str]:
+    """The environment that makes TensorFlow's ``tf.keras`` (and so the programs, see
+    ``benchmarks.programs.base``) tf_keras for ``keras=2`` and Keras 3 for ``keras=3``. Set
+    either way, so a ``TF_USE_LEGACY_KERAS`` left in the caller's shell cannot pick the Keras."""
+    if keras not in KERAS_VERSIONS:
+        raise ValueError(f"keras must be one of {KERAS_VERSIONS}, not {keras!r}")
+    return {"TF_USE_LEGACY_KERAS": "1" if keras == 2 else "0"}
 
 
 def _peak_rss_mb() -> float:
@@ -25,8 +35,13 @@ def _peak_rss_mb() -> float:
 
 
 def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, warmup: int = 5,
-            seed: int = 0) -> dict:
+            seed: int = 0, keras: int = 3) -> dict:
     """Measure one (program, mode) run; never raises (errors are part of the result).
+
+    ``keras`` is the Keras major version the run must use; the caller sets :func:`keras_env`
+    before TensorFlow is imported. The version that actually ran is recorded
+    (``keras_version``, ``keras_module``), and a run on the other Keras is an error, not a
+    result.
 
     ``timed_s`` covers the timed steps including the final conversion of their losses, so work
     still in flight when the loop ends (a graph running behind Python) is counted.
@@ -35,7 +50,7 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
     from benchmarks.programs import REGISTRY, load, run
 
     result = dict(program=program, mode=mode, config=config, steps=steps, warmup=warmup,
-                  seed=seed)
+                  seed=seed, keras=keras)
     m = modes.MODES[mode]
     phase = "build"
     try:
@@ -44,6 +59,7 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
 
             tf.config.experimental.enable_op_determinism()
         cls = load(program)
+        _check_keras(keras, result)
         tape = modes.tape_for(m)
         result["rss_imported_mb"] = _peak_rss_mb()  # TensorFlow, Keras, Terra loaded
         start = time.perf_counter()
@@ -70,6 +86,19 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
         result["terra_stats"] = modes.terra_stats(m)
     result["peak_rss_mb"] = _peak_rss_mb()
     return result
+
+
+def _check_keras(keras: int, result: dict) -> None:
+    """Record the Keras the programs were built with; raise if it is not the one asked for."""
+    from benchmarks.programs.base import keras as module
+
+    result["keras_version"] = module.__version__
+    result["keras_module"] = module.__name__
+    if not module.__version__.startswith(f"{keras}."):
+        raise RuntimeError(f"asked for Keras {keras}, but {module.__name__} "
+                           f"{module.__version__} was loaded (TF_USE_LEGACY_KERAS="
+                           f"{os.environ.get('TF_USE_LEGACY_KERAS')!r} when TensorFlow was "
+                           f"imported?)")
 
 
 def _short_message(e: Exception) -> str:

@@ -15,8 +15,13 @@ program logs with ``.numpy()`` or reads an attribute its step wrote) and by defa
 ``out`` unchanged. :func:`run` is that loop.
 
 Two programs built with the same seed see the same data and the same initial weights, and all
-randomness inside a step comes from Keras seed generators (stateless ops plus a seed variable),
-so eager, ``tf.function`` and Terra runs of one program are comparable loss by loss.
+randomness inside a step comes from seeded generators: Keras 3's seed generators and
+``base.SeedStream`` (stateless ops plus a seed variable), or under tf_keras its layers' random
+ops seeded from the global seed. So eager, ``tf.function`` and Terra runs of one program are
+comparable loss by loss.
+
+The programs take ``keras`` from ``benchmarks.programs.base``: Keras 3, or tf_keras when the
+process was started with ``TF_USE_LEGACY_KERAS=1`` (``python -m benchmarks --keras 2``).
 
 This module does not import TensorFlow (the harness process must not); the program modules and
 :class:`Program` (``benchmarks.programs.base``) do.

@@ -1,9 +1,10 @@
 """A small BERT encoder (token + position + segment embeddings, post-LN Transformer layers),
 shared by ``bert_qa`` and ``bert_cls`` the way both original programs share one encoder."""
 
-import keras
 import numpy as np
 import tensorflow as tf
+
+from benchmarks.programs.base import keras
 
 BERT_CONFIGS = {
     "quick": dict(batch=8, seq=64, vocab=2000, hidden=64, layers=2, heads=4, ffn=128),

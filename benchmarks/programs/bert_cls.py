@@ -6,13 +6,12 @@ cannot convert this: a symbolic tensor has no value during tracing (third-party 
 paper Table 3.1).
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 from sklearn.metrics import f1_score
 
 from benchmarks.programs._bert import BERT_CONFIGS, BertEncoder, synthetic_text, to_tensors
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 class BertCls(Program):

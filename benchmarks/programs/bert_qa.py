@@ -4,12 +4,11 @@ Start and end logits over the context tokens, cross-entropy on both; AdamW. A st
 with masks and dropout; AutoGraph handles it.
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from benchmarks.programs._bert import BERT_CONFIGS, BertEncoder, synthetic_text, to_tensors
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 class BertQA(Program):

@@ -4,11 +4,10 @@ BatchNorm adds moving-statistics updates (variable writes inside the forward pas
 the MLP's pattern; AutoGraph handles it.
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 class ConvNet(Program):

@@ -9,11 +9,10 @@ optimizer's variables, so the step counter advances twice and the frozen value i
 one, 0.996: the losses differ from eager's from the first step on.)
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, SeedStream, keras
 
 
 class DropBlock2D(keras.layers.Layer):
@@ -23,7 +22,7 @@ class DropBlock2D(keras.layers.Layer):
         super().__init__(**kwargs)
         self.keep_prob = keep_prob
         self.block_size = block_size
-        self.seed_generator = keras.random.SeedGenerator(1234)
+        self.seed_stream = SeedStream(1234)
 
     def set_keep_prob(self, keep_prob=None):
         if keep_prob is not None:
@@ -39,7 +38,7 @@ class DropBlock2D(keras.layers.Layer):
         # Seeds only where a whole block fits.
         valid = np.zeros((1, h, w, 1), np.float32)
         valid[:, bs // 2: h - (bs - 1) // 2, bs // 2: w - (bs - 1) // 2, :] = 1.0
-        noise = keras.random.uniform(tf.shape(inputs), seed=self.seed_generator)
+        noise = self.seed_stream.uniform(tf.shape(inputs))
         seeds = tf.cast(noise < gamma, inputs.dtype) * valid
         block_mask = 1.0 - tf.nn.max_pool2d(seeds, bs, strides=1, padding="SAME")
         scale = tf.cast(tf.size(block_mask), inputs.dtype) / tf.reduce_sum(block_mask)

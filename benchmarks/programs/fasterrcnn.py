@@ -7,11 +7,10 @@ the result back into the graph. AutoGraph cannot convert this (tensor materializ
 conversion, paper Table 3.1). Every batch has its own image size.
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 def iou_matrix(a, b):

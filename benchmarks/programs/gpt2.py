@@ -6,11 +6,10 @@ from batch to batch. AutoGraph runs it but retraces once per distinct shape; XLA
 per shape.
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 class Block(keras.layers.Layer):

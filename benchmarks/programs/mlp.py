@@ -4,11 +4,10 @@ The most common TF2 custom training loop there is; it has no Python feature that
 AutoGraph, so it measures pure per-op overhead (eager pays it on every op of every step).
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 class MLP(Program):

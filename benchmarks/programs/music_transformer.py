@@ -7,11 +7,10 @@ returns nothing; the loop reads ``trainer.loss_value`` afterwards (``after_step`
 again: AutoGraph fails, or reports a stale value (Python object mutation, paper Table 3.1).
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 class RelativeGlobalAttention(keras.layers.Layer):

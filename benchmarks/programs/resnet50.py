@@ -11,11 +11,10 @@ differ by 1-30% (bit-identical with ``arithmetic_optimization`` off). A batch of
 cure it.
 """
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 class ResNet50(Program):

@@ -8,11 +8,10 @@ AutoGraph silently freezes the first choice (Python object mutation, paper Table
 
 import random
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 
 class PreActBlock(keras.layers.Layer):

@@ -10,11 +10,10 @@ handles the step (the logging is outside it); the paper found XLA clusters this 
 import logging
 import math
 
-import keras
 import numpy as np
 import tensorflow as tf
 
-from benchmarks.programs.base import Program
+from benchmarks.programs.base import Program, keras
 
 log = logging.getLogger(__name__)
 
