@@ -9,6 +9,14 @@ least) and says when to stop: Terra has spent more than its budget (a fraction o
 time of the run so far) and its last co-executed iterations were not faster than eager, so it
 would never earn it back. (A program that never gets to co-execute is stopped by the
 fallback limits, ``Config.max_fallbacks_in_a_row``.)
+
+The first graph is always built: nothing tells in advance whether a program will settle. A
+graph built again after a fallback is an investment the ledger must afford: a program whose
+paths keep coming would otherwise pay a generation at every new one (seconds for a large
+graph, hundreds of eager steps). Until the ledger's debt plus the last generation's cost fits
+in the budget of the run so far, the runtime runs iterations eagerly (``waiting``), which costs
+nothing over eager, and traces again once it does: over a long run the graph is rebuilt, over a
+short one Terra stays within its budget.
 """
 
 import dataclasses
@@ -23,14 +31,21 @@ class Ledger:
     budget: float = 0.05  # of the run's eager time, Terra may spend without earning it back
     window: int = 5  # co-executed iterations that tell whether co-execution is faster
     eager: list = dataclasses.field(default_factory=list)
+    traced: list = dataclasses.field(default_factory=list)
     coexecuted: list = dataclasses.field(default_factory=list)
     spent: float = 0.0
     saved: float = 0.0
     iterations: int = 0
+    last_generation: float = 0.0
 
     def reference(self):
-        """Eager's time for one iteration, or None before one ran plainly."""
-        return statistics.median(self.eager) if self.eager else None
+        """Eager's time for one iteration, or None before one ran plainly. A traced
+        iteration is an eager one plus recording, so it bounds eager's time too: the warm-up
+        iteration alone (a Keras model's first call builds it) can be tens of times longer."""
+        if not self.eager:
+            return None
+        ref = statistics.median(self.eager)
+        return min(ref, min(self.traced)) if self.traced else ref
 
     def iteration(self, kind: str, seconds: float):
         """Book one finished iteration: ``eager`` (warm-up or given up), ``traced``,
@@ -39,6 +54,8 @@ class Ledger:
         if kind == "eager":
             self.eager.append(seconds)
             return
+        if kind == "traced":
+            self.traced.append(seconds)
         ref = self.reference()
         if ref is None:
             return
@@ -50,6 +67,16 @@ class Ledger:
 
     def generation(self, seconds: float):
         self.spent += seconds
+        self.last_generation = seconds
+
+    def affordable(self) -> bool:
+        """Whether building the graph again (about what the last generation took) keeps
+        what Terra spent and did not earn back within the budget of the run so far."""
+        ref = self.reference()
+        if ref is None or self.budget == float("inf"):
+            return True
+        debt = self.spent - self.saved + self.last_generation
+        return debt <= self.budget * ref * self.iterations
 
     def faster(self) -> bool:
         """Whether recent co-executed iterations beat eager's time."""

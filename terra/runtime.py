@@ -278,7 +278,7 @@ class Runtime:
         now = time.perf_counter()
         if self._began is not None:
             phase, began, fell = self._began
-            kind = ("fell back" if fell else "eager" if phase in ("warmup", "eager") else
+            kind = ("fell back" if fell else "eager" if phase in ("warmup", "eager", "waiting") else
                     "traced" if phase == "tracing" else "coexecuted")
             self.ledger.iteration(kind, now - began - self._generation_time)
         self._generation_time = 0.0
@@ -292,7 +292,8 @@ class Runtime:
         self.sites.begin_iteration()
         s = self.stats
         s.iterations += 1
-        if self.phase == "warmup" and s.iterations > config.warmup:
+        if self.phase == "warmup" and s.iterations > config.warmup or \
+                self.phase == "waiting" and self.ledger.affordable():
             self.phase = "tracing"
         if self.phase == "tracing":
             self._start_recording()
@@ -304,6 +305,9 @@ class Runtime:
                 self.graph_runner.submit(job)
             self.runner.begin(it)
             interception.set_handler(self.coexec_door)
+        elif self.phase in ("eager", "waiting"):
+            # plain eager speed: the door only swaps stand-ins for values, and none is alive
+            interception.set_handler(self.tracing_door if _tensors else None)
         self._began = (self.phase, began, False)
 
     def _end_iteration(self):
@@ -395,6 +399,11 @@ class Runtime:
         elif covered and s.fallbacks >= limit and s.fallbacks > s.coexecuted:
             self._give_up(f"{s.fallbacks} fallbacks and only {s.coexecuted} co-executed "
                           "iterations: new paths keep coming (see the fallbacks)")
+        elif covered and s.graph_generations and not self.ledger.affordable():
+            self.phase = "waiting"  # eager until the budget affords building the graph again
+            self.events.append(("waiting", "building the graph again would cost more than the "
+                                "budget affords now: running eagerly until it does (see the "
+                                "cost ledger)", None))
         elif covered:
             self._generate()
 

@@ -216,3 +216,78 @@ def test_over_budget_and_not_faster_runs_eagerly_with_eager_numbers(monkeypatch)
     outcome = assert_same_as_eager(program, 14, max_traces=2)
     assert outcome.stats.phase == "eager" and outcome.stats.coexecuted == 5, outcome.report()
     assert "would not earn the rest back" in outcome.explain, outcome.report()
+
+
+def test_ledger_reference_is_bounded_by_traced_iterations():
+    """The warm-up iteration builds a Keras model and can take tens of times an eager step;
+    a traced iteration is an eager one plus recording, so it bounds eager's time too."""
+    from terra.budget import Ledger
+
+    ledger = Ledger(budget=0.05)
+    ledger.iteration("eager", 1.0)
+    assert ledger.reference() == 1.0
+    ledger.iteration("traced", 0.03)
+    ledger.iteration("traced", 0.02)
+    assert ledger.reference() == 0.02
+    ledger.iteration("coexecuted", 0.01)
+    assert abs(ledger.saved - 0.01) < 1e-12  # not the 0.99 the warm-up would make it
+
+
+def test_ledger_affords_building_again_only_once_the_run_can_pay_for_it():
+    from terra.budget import Ledger
+
+    ledger = Ledger(budget=0.05)
+    ledger.iteration("eager", 0.010)
+    ledger.iteration("traced", 0.010)
+    assert ledger.affordable()  # nothing spent yet
+    ledger.generation(0.5)
+    ledger.iteration("fell back", 0.010)
+    assert not ledger.affordable()  # 1 s of debt against 3 iterations of 10 ms
+    needed = int((2 * 0.5) / (0.05 * 0.010))  # iterations whose 5% covers the debt
+    for _ in range(needed - ledger.iterations - 1):
+        ledger.iteration("eager", 0.010)
+    assert not ledger.affordable()
+    ledger.iteration("eager", 0.010)
+    ledger.iteration("eager", 0.010)
+    assert ledger.affordable()
+
+
+def late_branch(tape_cls, steps):
+    """A new path after the first graph was built (step 9 on): a fallback, and building the
+    graph again would cost more than the budget of a short run affords."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+            if step >= 9:
+                loss = loss + 0.01 * tf.reduce_sum(tf.square(model.trainable_variables[0]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, **state(model, optimizer)}
+
+
+def test_graph_not_built_again_beyond_the_budget_runs_eagerly_with_eager_numbers():
+    from terra import interception
+
+    handlers = []
+
+    def program(tape_cls, steps):
+        if tape_cls is not terra.TerraGradientTape:
+            return late_branch(tape_cls, steps)
+        terra.configure(budget=0.05)
+        try:
+            out = late_branch(tape_cls, steps)
+            with tape_cls():  # one more iteration: its handler, while waiting
+                handlers.append(interception._handler)
+            return out
+        finally:
+            terra.configure(budget=float("inf"))
+
+    outcome = assert_same_as_eager(program, 16, expect_fallbacks=1, max_traces=4)
+    assert outcome.stats.phase == "waiting", outcome.report()
+    assert outcome.stats.graph_generations == 1, outcome.report()
+    assert handlers == [None], "a waiting iteration with no stand-in alive runs unintercepted"
+    assert "waiting: building the graph again" in outcome.explain, outcome.report()
