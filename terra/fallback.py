@@ -8,6 +8,7 @@ re-enter the real tapes, and gradient calls run the real ``tape.gradient``. Ever
 handed to Python gets its real value.
 """
 
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, execute, record
 from tensorflow.python.framework import constant_op, dtypes, errors
 from tensorflow.python.util import nest
@@ -61,6 +62,12 @@ def replay(log, recorder, open_tapes, customs=()):
     exited by their own ``with``; the real tapes of those Python already left are exited here,
     or they would stay on TF's tape stack, recording and keeping alive every later op."""
     tapes = []  # Terra tapes the replay has re-entered, innermost last
+    # The fallback may come where the caller paused recording (``tf.init_scope`` while an
+    # optimizer creates its slots): the logged steps were issued with recording on (each op
+    # notes whether it was not), so they are replayed with it on, and the pause restored after.
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    if stopped:
+        pywrap_tfe.TFE_Py_TapeSetRestartOnThread()
     try:
         _replay(log, recorder, tapes, list(customs))
     except BaseException:
@@ -68,6 +75,9 @@ def replay(log, recorder, open_tapes, customs=()):
             if not any(tape is t for t in open_tapes):
                 tape.exit_real()
         raise
+    finally:
+        if stopped:
+            pywrap_tfe.TFE_Py_TapeSetStopOnThread()
 
 
 def _replay(log, recorder, tapes, customs):
@@ -158,7 +168,10 @@ def _replay_grad(step, entries, extra, recorder):
     def resolve(x):
         return recorder.swap(_real(x))
 
-    result = tape.traced_gradient(nest.map_structure(resolve, target), sources,
+    # a source may be a tensor of the iteration (a nested tape's watched activation): the
+    # replayed one, not the stand-in, is what the replayed forward pass computed
+    result = tape.traced_gradient(nest.map_structure(resolve, target),
+                                  nest.map_structure(resolve, sources),
                                   nest.map_structure(resolve, output_gradients), unconnected)
     values = [x for g in nest.flatten(result) if g is not None
               for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))

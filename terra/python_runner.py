@@ -273,7 +273,8 @@ class PythonRunner:
         tape, target, sources, output_gradients, unconnected = extra
         # the log names stand-ins by their entries: holding a stand-in would make it look
         # alive to finish() (an escape) although Python dropped it
-        self.it.log.append((step, inputs, leaves, (tape, self._entries_of(target), sources,
+        self.it.log.append((step, inputs, leaves, (tape, self._entries_of(target),
+                                                   self._entries_of(sources),
                                                    self._entries_of(output_gradients),
                                                    unconnected)))
         for body_step in step.body:  # the graph fills their channels whether or not Python looks

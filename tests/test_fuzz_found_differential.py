@@ -1,0 +1,85 @@
+"""Programs the differential fuzzer (``python -m benchmarks.fuzz``) found Terra getting wrong,
+written out by hand: each must give eager's numbers under Terra."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from differential import assert_same_as_eager
+
+
+def _rnn_data(steps, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((8, 4, 6)).astype("float32"),
+             rng.standard_normal((8, 3)).astype("float32")) for _ in range(steps)]
+
+
+def optimizer_swapped_for_an_unbuilt_one(tape_cls, steps):
+    """At step 7 the loop switches to a Keras optimizer never built: its first update creates
+    slot variables inside ``tf.init_scope``, which pauses gradient recording, and the graph
+    falls back there. The replay ran under that pause, so the replayed gradient was None and
+    the next use of a gradient raised (``IterationAborted``) out of Keras' optimizer."""
+    keras.utils.set_random_seed(0)
+    cell = keras.layers.GRUCell(8)
+    cell.build((None, 6))
+    head = keras.layers.Dense(3)
+    head.build((None, 8))
+    params = cell.trainable_weights + head.trainable_weights
+    first = keras.optimizers.SGD(0.05, momentum=0.9)
+    first.build(params)
+    later = keras.optimizers.SGD(0.02, momentum=0.5)
+    optimizer = first
+    losses = []
+    for step, (x, y) in enumerate(_rnn_data(steps)):
+        with tape_cls() as tape:
+            h = [tf.zeros((8, 8))]
+            for t in range(4):
+                out, h = cell(x[:, t], h, training=True)
+            loss = tf.reduce_mean(tf.square(head(out) - y))
+        grads = tape.gradient(loss, params)
+        optimizer.apply_gradients(zip(grads, params))
+        losses.append(float(loss))
+        if step == 6:
+            optimizer = later
+    return {"losses": losses, "vars": params, "slots": first.variables + later.variables}
+
+
+def test_fallback_where_recording_is_paused_replays_with_recording_on():
+    assert_same_as_eager(optimizer_swapped_for_an_unbuilt_one, 12, rtol=1e-5,
+                         expect_fallbacks=(1, None), max_traces=6)
+
+
+def nested_tape_on_an_activation(tape_cls, steps):
+    """An inner tape watches an activation and its gradient feeds the outer loss (a
+    second-order term). The inner gradient's source is a tensor of the iteration: the log held
+    its stand-in (it looked alive at the iteration's end: a fallback at every step), and a
+    replay differentiated with respect to the stand-in, not the replayed value (None, then a
+    TypeError out of the replay). A late branch makes the replay happen."""
+    rng = np.random.default_rng(0)
+    w = tf.Variable(rng.normal(0, 0.4, (6, 8)).astype("float32"))
+    u = tf.Variable(rng.normal(0, 0.4, (8, 8)).astype("float32"))
+    out = tf.Variable(rng.normal(0, 0.4, (8, 3)).astype("float32"))
+    params = [w, u, out]
+    losses = []
+    for step, (x, y) in enumerate(_rnn_data(steps, seed=1)):
+        with tape_cls() as tape:
+            h = tf.zeros((8, 8))
+            for t in range(4):
+                h = tf.tanh(x[:, t] @ w + h @ u)
+            with tape_cls() as inner:
+                inner.watch(h)
+                energy = tf.reduce_sum(tf.tanh(h) ** 2)
+            h = h + 0.1 * inner.gradient(energy, h)
+            loss = tf.reduce_mean(tf.square(h @ out - y))
+            if step >= 8:
+                loss = loss + 1e-3 * tf.reduce_sum(tf.square(u))
+        grads = tape.gradient(loss, params)
+        for g, v in zip(grads, params):
+            v.assign_sub(0.05 * g)
+        losses.append(float(loss))
+    return {"losses": losses, "vars": params}
+
+
+def test_nested_tape_on_an_activation_coexecutes_and_replays():
+    outcome = assert_same_as_eager(nested_tape_on_an_activation, 12, rtol=1e-5,
+                                   expect_fallbacks=(1, 2), max_traces=6, min_coexecuted=3)
+    assert "outlived its iteration" not in outcome.explain, outcome.report()
