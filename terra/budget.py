@@ -10,7 +10,8 @@ time of the run so far) and its last co-executed iterations were not faster than
 would never earn it back. (A program that never gets to co-execute is stopped by the
 fallback limits, ``Config.max_fallbacks_in_a_row``.)
 
-The first graph is always built: nothing tells in advance whether a program will settle. A
+The first graph is always built: nothing tells in advance whether a program will settle, and
+so are the next few (``Config.free_rebuilds``: a late path or two is common). Past those, a
 graph built again after a fallback is an investment the ledger must afford: a program whose
 paths keep coming would otherwise pay a generation at every new one (seconds for a large
 graph, hundreds of eager steps). Until the ledger's debt plus the last generation's cost fits

@@ -44,6 +44,10 @@ class Config:
         generation, fallbacks) without earning them back, as a fraction of the run's eager
         time; past it, and with
         co-executed iterations no faster than eager, Terra runs eagerly (``terra.budget``).
+      free_rebuilds: graphs built again after a fallback without asking the budget: a
+        program with a late path or two (a target network synced every few steps, one new
+        shape) settles after one or two; one whose paths keep coming then waits, running
+        eagerly, until the budget affords the next (``terra.budget``).
       max_fallbacks_in_a_row: after this many fallbacks without a co-executed iteration in
         between, or this many in all once they outnumber the co-executed iterations, stop
         generating graphs and run eagerly (``explain()`` says why): a program that takes a
@@ -62,6 +66,7 @@ class Config:
     max_trace_ops: int = 200_000
     max_fallbacks_in_a_row: int = 4
     budget: float = 0.05
+    free_rebuilds: int = 2
 
     @classmethod
     def from_env(cls) -> "Config":

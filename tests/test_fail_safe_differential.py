@@ -252,39 +252,44 @@ def test_ledger_affords_building_again_only_once_the_run_can_pay_for_it():
     assert ledger.affordable()
 
 
-def late_branch(tape_cls, steps):
-    """A new path after the first graph was built (step 9 on): a fallback, and building the
-    graph again would cost more than the budget of a short run affords."""
+def new_path_every_other_step(tape_cls, steps):
+    """From step 7 on, a new extra loss term every other step: a fallback each time, and
+    after the free rebuilds building the graph again would cost more than the budget of a
+    short run affords."""
     data, model, optimizer, loss_fn = mlp_task(steps)
+    terms = [tf.square, tf.abs, tf.sin, tf.cos]
     losses = []
     for step in range(steps):
         x, y = batch(data, step, 16)
         with tape_cls() as tape:
             loss = loss_fn(y, model(x, training=True))
-            if step >= 9:
-                loss = loss + 0.01 * tf.reduce_sum(tf.square(model.trainable_variables[0]))
+            if step >= 7:
+                term = terms[min((step - 7) // 2, len(terms) - 1)]
+                loss = loss + 0.01 * tf.reduce_sum(term(model.trainable_variables[0]))
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         losses.append(float(loss))
     return {"losses": losses, **state(model, optimizer)}
 
 
-def late_branch_on_a_budget(tape_cls, steps):
-    """``late_branch`` with Terra's default budget, and one more iteration that says whether
-    its ops were intercepted (in a child process: no stand-in of another test is alive)."""
+def new_paths_on_a_budget(tape_cls, steps):
+    """``new_path_every_other_step`` with Terra's default budget, and one more iteration
+    that says whether its ops were intercepted (in a child process: no stand-in of another
+    test is alive)."""
     from terra import interception
 
     if tape_cls is terra.TerraGradientTape:
         terra.configure(budget=0.05)
-    out = late_branch(tape_cls, steps)
+    out = new_path_every_other_step(tape_cls, steps)
     with tape_cls():
         out["intercepted"] = interception._handler is not None
     return out
 
 
 def test_graph_not_built_again_beyond_the_budget_runs_eagerly_with_eager_numbers():
-    outcome = assert_same_as_eager(late_branch_on_a_budget, 16, expect_fallbacks=1,
-                                   max_traces=4, env={})
+    outcome = assert_same_as_eager(new_paths_on_a_budget, 18, expect_fallbacks=3,
+                                   max_traces=12, env={})
     assert outcome.stats.phase == "waiting", outcome.report()
-    assert outcome.stats.graph_generations == 1, outcome.report()
+    assert outcome.stats.graph_generations == 1 + terra.config.config.free_rebuilds, \
+        outcome.report()
     assert "waiting: building the graph again" in outcome.explain, outcome.report()
