@@ -66,6 +66,10 @@ def fuzz(options: Options) -> int:
             results.append(result)
             if result.failed or result.kind == "invalid":
                 print(failure_line(result, options), flush=True)
+            if result.failed:
+                out = Path(options.out)
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"{result.program.seed}.py").write_text(render(result.program))
         groups = _by_symptom([r for r in results if r.failed])
         if groups:
             print(f"{len(groups)} distinct symptoms:", flush=True)
@@ -114,12 +118,9 @@ def _by_symptom(failures: list) -> dict:
 
 
 def _keep(group, options: Options) -> None:
-    """Write every failing program of one symptom; minimize the first (smallest) one."""
+    """Report one symptom and minimize its first (smallest) program."""
     key, results = group
     out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for result in results:
-        (out / f"{result.program.seed}.py").write_text(render(result.program))
     first = min(results, key=lambda r: (len(r.program.snippets), r.program.seed))
     line = f"  {' / '.join(k for k in key if k)}: seeds {[r.program.seed for r in results]}"
     if options.min_trials > 0:

@@ -14,7 +14,7 @@ import dataclasses
 from .program import Program
 from .runner import Result
 
-DEFAULT_TRIALS = 30
+DEFAULT_TRIALS = 24
 
 
 def minimize(result: Result, run, trials: int = DEFAULT_TRIALS) -> Result:
@@ -45,8 +45,8 @@ def minimize(result: Result, run, trials: int = DEFAULT_TRIALS) -> Result:
             attempt(_with(best.program, tuple(s for s in snippets if s.slots)))
     for change in _simpler_bases(best.program.base):
         attempt(_with(best.program, base=dataclasses.replace(best.program.base, **change)))
-    step = best.verdict.get("step")
-    for steps in sorted({6, 8, 10, (step or 0) + 2} - {best.program.steps}):
+    step, total = best.verdict.get("step"), best.program.steps
+    for steps in sorted({6, 8, 10, total - 2, (step or 0) + 2} - {total}):
         if steps < best.program.steps and attempt(_with(best.program, steps=steps)):
             break
     return best

@@ -155,7 +155,8 @@ def compare(eager, terra):
     e_losses, t_losses = left.pop("losses"), right.pop("losses")
     for (e_step, e_value), (t_step, t_value) in zip(e_losses, t_losses):
         if e_step != t_step or not close(e_value, t_value):
-            return e_step, f"loss at step {e_step}: eager {e_value}, Terra {t_step}: {t_value}"
+            return e_step, (f"loss at step {e_step}: eager {number(e_value)}, "
+                            f"Terra (step {t_step}) {number(t_value)}")
     if len(e_losses) != len(t_losses):
         step = (e_losses[len(t_losses)] if len(e_losses) > len(t_losses) else
                 t_losses[len(e_losses)])[0]
@@ -176,6 +177,11 @@ def close(a, b):
     if a.dtype.kind in "fc" or b.dtype.kind in "fc":
         return bool(np.allclose(b, a, rtol=RTOL, atol=ATOL, equal_nan=True))
     return bool(np.array_equal(a, b))
+
+
+def number(value):
+    array = as_array(value)
+    return f"{array.item():.7g}" if array.size == 1 else str(array.tolist())
 
 
 def as_array(value):

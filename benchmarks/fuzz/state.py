@@ -159,3 +159,30 @@ def grad_clip(rng, tag, base):
         {"grads": [f"grads, {tag}_norm = tf.clip_by_global_norm(grads, 0.5)",
                    f"out.setdefault('{tag}_norms', []).append(float({tag}_norm))"]},
     ])
+
+
+@feature("random_noise")
+def random_noise(rng, tag, base):
+    """Stateful random ops, which Terra runs in Python: a fallback must not draw them twice."""
+    return {"forward": [rng.choice(["h = h + 0.01 * tf.random.normal(tf.shape(h))",
+                                    "h = h * tf.random.uniform(tf.shape(h), 0.9, 1.1)"])]}
+
+
+@feature("counter_variable")
+def counter_variable(rng, tag, base):
+    """A non-trainable counter variable, bumped outside the tape and read back as a Python int."""
+    return {"helpers": [f"{tag}_count = tf.Variable(0)"],
+            "forward": [f"if int({tag}_count) % {rng.choice([2, 3])} == 1:\n"
+                        f"    h = h * 0.8"],
+            "after": [f"{tag}_count.assign_add(1)"]}
+
+
+@feature("grad_accumulate")
+def grad_accumulate(rng, tag, base):
+    """Gradients of one step kept and added to the next: tensors that outlive their iteration."""
+    return {"helpers": [f"state.{tag}_acc = None"],
+            "grads": [f"if state.{tag}_acc is not None:\n"
+                      f"    grads = [add_grads(a, b) for a, b in zip(grads, state.{tag}_acc)]\n"
+                      f"    state.{tag}_acc = None\n"
+                      f"elif step % 2 == 0:\n"
+                      f"    state.{tag}_acc = grads"]}
