@@ -36,6 +36,7 @@ everything the hot path needs precomputed (channels, output specs, static values
 
 import collections
 import itertools
+import math
 
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
@@ -62,7 +63,7 @@ from terra import opdefs
 from terra.case_assignment import assign_cases
 from terra.loops import roll
 from terra.queues import Channel
-from terra.tracegraph import NodeKind, TraceNode, relax
+from terra.tracegraph import SMALL_CONST, NodeKind, TraceNode, relax
 
 _READ_ONLY_VAR_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
                                 "VariableShape"})
@@ -71,13 +72,15 @@ _READ_ONLY_VAR_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGat
 _SCRATCH_OUTPUTS = {"FusedBatchNormV3": frozenset({5}), "_FusedBatchNormEx": frozenset({5})}
 _names = itertools.count()
 _INT32 = dtypes.int32.as_datatype_enum
+_INT_DTYPES = frozenset(d.as_datatype_enum for d in (dtypes.int32, dtypes.int64))
 
 
 class Step:
     """What the PythonRunner does at one node of the TraceGraph."""
 
     __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
-                 "check_shapes", "fetch", "has_fetch", "static", "dynamic", "python", "out_feed",
+                 "check_shapes", "value_shaped", "fetch", "has_fetch", "static", "dynamic",
+                 "python", "out_feed",
                  "body", "results", "pack", "slow_attrs", "next", "puts", "visits", "seq",
                  "owner", "cone_phis", "backward_feeds", "looped")
 
@@ -109,7 +112,11 @@ class Step:
         self.slots = node.inputs
         self.feed = [None] * len(node.inputs)  # slot index -> Channel for feed slots
         self.out_specs = node.out_specs
-        self.check_shapes = len(node.sigs) > 1
+        # a small integer input fed from Python took several values: the output shape may
+        # follow it (a resize's size) whatever the input shapes, so it is inferred every time
+        self.value_shaped = node.kind == NodeKind.OP and any(
+            _small_int_feed(slot) and slot.values_vary for slot in node.inputs)
+        self.check_shapes = len(node.sigs) > 1 or self.value_shaped
         n_out = len(node.out_specs)
         self.fetch = [None] * n_out  # out -> Channel (graph enqueues, Python dequeues)
         self.static = [None] * n_out  # out -> value known when the graph was built (a tensor)
@@ -280,6 +287,12 @@ def _link(tracegraph, start, steps, puts, conds):
         step.next = [target for target, _ in found]
         if any(p for _, p in found):
             step.puts = [tuple(p) for _, p in found]
+
+
+def _small_int_feed(slot):
+    """Whether ``slot`` is fed a small integer tensor from Python (a size, a shape)."""
+    return slot.kind == "feed" and slot.dtype in _INT_DTYPES and slot.shape is not None and \
+        None not in slot.shape and math.prod(slot.shape) <= SMALL_CONST
 
 
 def _unseen_by_python(steps):

@@ -640,7 +640,7 @@ class PythonRunner:
         if step.check_shapes:
             key = tuple(a._shape_tuple() if type(a) is _EagerTensor else np.shape(a)
                         for a in flat)
-            specs = step.node.sigs.get(key)
+            specs = None if step.value_shaped else step.node.sigs.get(key)
             if specs is None and step.dynamic:  # fetched: the stand-ins are never used
                 specs = step.out_specs
             elif specs is None:

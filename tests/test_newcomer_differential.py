@@ -462,3 +462,39 @@ def outputs_in_an_optional(tape_cls, steps):
 
 def test_outputs_wrapped_in_an_optional_coexecute():
     assert_same_as_eager(outputs_in_an_optional, 12, min_coexecuted=6)
+
+
+# -- a size computed in Python: the output shape follows a fed value ----------------------
+
+
+def resize_by_a_drawn_ratio(tape_cls, steps):
+    """One ``tf.image.resize`` line after either block, to a size computed in Python from a
+    drawn ratio (SDPoint's down-sampling). Traces saw 32->24 and 16->12; a co-executed step
+    asking 16->8 once got a stand-in of the recorded 12x12 shape (the sizes are fed values,
+    same shape), and ``tf.image.resize``'s own ``set_shape`` raised in user code."""
+    plan = [(0, 0.75), (None, 0.75), (1, 0.75), (0, 0.75), (0, 0.75), (1, 0.5), (1, 0.5),
+            (0, 0.5), (1, 0.75), (0, 0.25), (1, 0.25), (0, 0.75)]
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((4, 32, 32, 3)).astype(np.float32))
+    w1 = tf.Variable(rng.standard_normal((3, 3, 3, 4)).astype(np.float32) * 0.1)
+    w2 = tf.Variable(rng.standard_normal((3, 3, 4, 8)).astype(np.float32) * 0.1)
+    losses = []
+    for block, ratio in plan[:steps]:
+        with tape_cls() as tape:
+            h = x
+            for i, (w, stride) in enumerate([(w1, 1), (w2, 2)]):
+                h = tf.nn.relu(tf.nn.conv2d(h, w, stride, "SAME"))
+                if i == block:
+                    h = tf.image.resize(h, (int(h.shape[1] * ratio),) * 2)
+            loss = tf.reduce_mean(h ** 2)
+        grads = tape.gradient(loss, [w1, w2])
+        w1.assign_sub(0.1 * grads[0])
+        w2.assign_sub(0.1 * grads[1])
+        losses.append(float(loss))
+    return {"losses": losses, "vars": [w1, w2]}
+
+
+def test_output_shape_following_a_fed_size_is_inferred_from_its_value():
+    # new (block, size) pairs keep coming: fallbacks, never a wrong shape in user code
+    assert_same_as_eager(resize_by_a_drawn_ratio, 12, expect_fallbacks=(0, None),
+                         max_traces=12, min_coexecuted=1)
