@@ -307,16 +307,22 @@ def _unseen_by_python(steps):
     return unseen
 
 
-def _backward_feeds(step, fetched_shapes):
+def _backward_feeds(step, fetched_shapes, shaped):
     """The values a region's backward ops read from outside that change between iterations
     (``Tile`` multiples, the count a mean divides by: a gradient function computes them in
     Python from shapes). The PythonRunner skips those functions, so it feeds the values the
     traces saw, looked up by the iteration's signature: the shapes and tiny values of
     everything fed before the call, and the output shapes of the ops before it whose shapes
-    depend on data (``fetched_shapes``, fetched anyway). None when it reads no such value."""
+    depend on data (``fetched_shapes``, fetched anyway). None when it reads no such value.
+
+    Where the forward pass may take shapes no trace had (``shaped``: an op of the cone checks
+    its shapes), the values every trace saw alike are constants of the region that may not
+    hold for a new shape (the traces' feature maps all ended 6x6, a new resize size ends them
+    4x4: the mean's divisor is stale, and the gradient silently wrong). The region then accepts
+    only the signatures traces had, even with nothing to feed."""
     feeds = [(body_step, i) for body_step in step.body
              for i, slot in enumerate(body_step.slots) if slot.kind == "feed"]
-    if not feeds:
+    if not feeds and not shaped:
         return None
     table = {}
     for before, body in step.node.observations:
@@ -795,7 +801,8 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
         steps[node].check_shapes = True
     for node, step in steps.items():
         if step.kind is NodeKind.GRAD and node not in symbolic:
-            step.backward_feeds = _backward_feeds(step, fetched_shapes)
+            shaped = any(p in steps and steps[p].check_shapes for _, p, _ in node.cone.values())
+            step.backward_feeds = _backward_feeds(step, fetched_shapes, shaped)
     off = ["constant_folding"] if varying or fetched_shapes else []
     if xla:
         off += ["arithmetic_optimization", "remapping"]

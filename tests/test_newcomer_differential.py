@@ -498,3 +498,21 @@ def test_output_shape_following_a_fed_size_is_inferred_from_its_value():
     # new (block, size) pairs keep coming: fallbacks, never a wrong shape in user code
     assert_same_as_eager(resize_by_a_drawn_ratio, 12, expect_fallbacks=(0, None),
                          max_traces=12, min_coexecuted=1)
+
+
+def sdpoint_benchmark(tape_cls, steps):
+    """The SDPoint benchmark program (a pre-activation ResNet down-sampling after a block and
+    by a ratio drawn each step) on tf_keras. Its traces' feature maps all ended 6x6; a new
+    (block, ratio) ends them 4x4, and the recorded backward pass, whose constants (a mean's
+    divisor) every trace saw alike, silently computed the old shape's gradient: losses off by
+    0.7% from the first such step, with no fallback."""
+    from benchmarks.programs import load, run
+
+    program = load("sdpoint")("quick", 0, tape=tape_cls)
+    losses = run(program, steps)
+    return {"losses": losses, "vars": program.model.variables}
+
+
+def test_backward_constants_of_a_new_shape_are_not_taken_from_other_shapes():
+    assert_same_as_eager(sdpoint_benchmark, 12, rtol=1e-4, env={"TF_USE_LEGACY_KERAS": "1"},
+                         expect_fallbacks=(0, None), max_traces=12, min_coexecuted=1)
