@@ -190,7 +190,13 @@ def _snapshot_function(written):
     return def_function.function(snapshot, autograph=False).get_concrete_function()
 
 
-def _var_dtype(node):
+def _var_dtype(node, handle):
+    """The dtype of the variable behind ``handle``: from its handle data (an eager handle
+    carries it), else from the writing op's attrs (``RngReadAndSkip``, which writes a
+    ``tf.random.Generator``'s state, names no dtype)."""
+    data = getattr(handle, "_handle_data", None)
+    if data is not None and data.shape_and_type:
+        return data.shape_and_type[0].dtype
     attrs = dict(node.attrs)
     return attrs.get("dtype", attrs.get("T"))
 
@@ -625,7 +631,8 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
             if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
                 for slot in step.slots:
                     if slot.kind == "var":
-                        written.setdefault(slot.tensor._id, (slot.tensor, _var_dtype(node)))
+                        written.setdefault(slot.tensor._id,
+                                          (slot.tensor, _var_dtype(node, slot.tensor)))
             for k, t in enumerate(op.outputs):  # decided for all outputs before any is
                 note_dynamic(step, k, t)  # emitted: a data-dependent op fetches every one
             for k, t in enumerate(op.outputs):

@@ -516,3 +516,29 @@ def sdpoint_benchmark(tape_cls, steps):
 def test_backward_constants_of_a_new_shape_are_not_taken_from_other_shapes():
     assert_same_as_eager(sdpoint_benchmark, 12, rtol=1e-4, env={"TF_USE_LEGACY_KERAS": "1"},
                          expect_fallbacks=(0, None), max_traces=12, min_coexecuted=1)
+
+
+def generator_drawn_mask(tape_cls, steps):
+    """A dropout-like mask drawn from a ``tf.random.Generator`` (tf_keras' Dropout under
+    ``enable_tf_random_generator()``): the graph writes the generator's state with
+    ``RngReadAndSkip``, which names no dtype, and building the variable snapshot failed (the
+    program never co-executed). A late branch makes a fallback restore that state."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((16, 8)).astype(np.float32))
+    w = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32))
+    gen = tf.random.Generator.from_seed(1)
+    losses = []
+    for step in range(steps):
+        with tape_cls() as tape:
+            keep = tf.cast(gen.uniform((16, 4)) > 0.3, tf.float32)
+            loss = tf.reduce_mean((tf.matmul(x, w) * keep) ** 2)
+            if step == 8:
+                loss = loss + tf.reduce_sum(gen.normal((2,)))
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        losses.append(float(loss))
+    return {"losses": losses, "vars": [w, gen.state]}
+
+
+def test_generator_state_is_snapshotted_and_restored():
+    assert_same_as_eager(generator_drawn_mask, 12,
+                         expect_fallbacks=1, max_traces=4, min_coexecuted=4)
