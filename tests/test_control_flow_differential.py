@@ -1,4 +1,4 @@
-"""Differential tests of training steps whose op path changes from step to step (issue 3).
+"""Differential tests of training steps whose op path changes from step to step.
 
 Each program is an ordinary eager loop whose Python picks different TF ops per step: a branch on
 a counter, on a fetched loss, on ``random``, on an exception; loops driven by generators,
