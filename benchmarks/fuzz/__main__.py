@@ -10,7 +10,7 @@ import sys
 
 from .driver import Options, fuzz
 from .minimize import DEFAULT_TRIALS
-from .program import DEFAULT_STEPS
+from .program import DEFAULT_STEPS, feature_names
 from .runner import DEFAULT_TIMEOUT
 
 
@@ -27,13 +27,20 @@ def parse(argv=None) -> Options:
     parser.add_argument("--disable", default="", help="comma-separated features never drawn")
     parser.add_argument("--min-trials", type=int, default=DEFAULT_TRIALS,
                         help="runs the minimizer may spend per symptom (0: no minimizing)")
+    parser.add_argument("--record", default="",
+                        help="append one JSON line per program (draw, verdict, stats) here")
     parser.add_argument("--show", action="store_true",
                         help="print the source of program S and exit")
     args = parser.parse_args(argv)
     split = lambda text: [name for name in text.split(",") if name]
+    try:
+        feature_names(split(args.only), split(args.disable))
+    except ValueError as error:
+        parser.error(str(error))
     return Options(count=args.count, seed=args.seed, steps=args.steps, jobs=args.jobs,
                    timeout=args.timeout, out=args.out, only=split(args.only),
-                   disabled=split(args.disable), min_trials=args.min_trials, show=args.show)
+                   disabled=split(args.disable), min_trials=args.min_trials, show=args.show,
+                   record=args.record)
 
 
 if __name__ == "__main__":

@@ -125,3 +125,31 @@ def vary_batch(rng, tag, base):
 def vary_seq(rng, tag, base):
     pick = rng.choice(["2 + step % 3", "random.randint(2, 5)", "(3, 5)[step % 2]"])
     return {"shape": [f"seq = {pick}"]}
+
+
+@feature("adversarial_input", fits=lambda base: base.inputs != "tokens")
+def adversarial_input(rng, tag, base):
+    """A first, separate tape perturbs the batch along its input gradient (FGSM): two
+    outermost tapes in one step, so Terra's iteration boundary falls inside the step."""
+    return {"top": [f"with tape_cls() as {tag}_adv:\n    {tag}_adv.watch(x)\n"
+                    f"    {tag}_l = tf.reduce_mean(tf.square(model.head("
+                    f"model.encode(x, training=False))))",
+                    f"x = x + {rng.choice([0.01, 0.05])} * "
+                    f"tf.sign({tag}_adv.gradient({tag}_l, x))"]}
+
+
+@feature("tf_function")
+def tf_function(rng, tag, base):
+    """A helper compiled with tf.function, called eagerly inside the tape (one call op)."""
+    body = rng.choice(["return tf.tanh(t) + 0.1 * t", "return t * tf.sigmoid(t)"])
+    return {"helpers": [f"@tf.function\ndef {tag}_fn(t):\n    {body}"],
+            "forward": [f"h = {tag}_fn(h)"]}
+
+
+@feature("dataset_iterator", fits=lambda base: base.inputs == "dense")
+def dataset_iterator(rng, tag, base):
+    """Part of each batch comes from a tf.data iterator: iterator ops run in Python."""
+    return {"helpers": [f"{tag}_it = iter(tf.data.Dataset.from_tensor_slices(\n"
+                        f"    np.random.default_rng(1).standard_normal((60, D)).astype(np.float32))"
+                        f"\n    .batch(12, drop_remainder=True).repeat())"],
+            "top": [f"x = x + 0.1 * next({tag}_it)[:batch]"]}

@@ -7,6 +7,7 @@ distinct symptom is worth more than many copies of the same bug.
 """
 
 import dataclasses
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,8 +27,9 @@ class Options:
     out: str = "fuzz-failures"
     only: list = dataclasses.field(default_factory=list)
     disabled: list = dataclasses.field(default_factory=list)
-    min_trials: int = 30
+    min_trials: int = 24
     show: bool = False
+    record: str = ""  # a JSON-lines file: one line per program (its draw, verdict, stats)
 
     def command(self, seed: int) -> str:
         """The command that draws program ``seed`` again, with these generation options."""
@@ -66,6 +68,9 @@ def fuzz(options: Options) -> int:
             results.append(result)
             if result.failed or result.kind == "invalid":
                 print(failure_line(result, options), flush=True)
+            if options.record:
+                with open(options.record, "a") as handle:
+                    handle.write(json.dumps(record(result)) + "\n")
             if result.failed:
                 out = Path(options.out)
                 out.mkdir(parents=True, exist_ok=True)
@@ -90,6 +95,12 @@ def campaign(options: Options, pool):
 
 def _program(options: Options, seed: int):
     return generate(seed, options.steps, options.only, options.disabled, options.command(seed))
+
+
+def record(result: Result) -> dict:
+    program = result.program
+    return {"seed": program.seed, "steps": program.steps, "features": program.features,
+            "base": dataclasses.asdict(program.base), **result.verdict}
 
 
 def failure_line(result: Result, options: Options) -> str:

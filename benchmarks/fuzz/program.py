@@ -15,7 +15,7 @@ from pathlib import Path
 from . import control, models, state  # noqa: F401  (importing registers the features)
 from .snippets import REGISTRY, SLOTS, Snippet, draw
 
-DEFAULT_STEPS = 14
+DEFAULT_STEPS = 16
 MARKER = "# --- fuzz harness ---\n"
 
 
@@ -39,10 +39,9 @@ class Program:
 
 def feature_names(only: list[str] | None = None, disabled: list[str] | None = None) -> list[str]:
     """The features to draw from, in registry order; unknown names raise."""
-    unknown = set(only or []) | set(disabled or []) - set(REGISTRY)
-    if unknown - set(REGISTRY):
-        raise ValueError(f"unknown features {sorted(unknown - set(REGISTRY))}; "
-                         f"known: {', '.join(REGISTRY)}")
+    unknown = (set(only or []) | set(disabled or [])) - set(REGISTRY)
+    if unknown:
+        raise ValueError(f"unknown features {sorted(unknown)}; known: {', '.join(REGISTRY)}")
     names = [n for n in REGISTRY if not only or n in only]
     return [n for n in names if n not in (disabled or [])]
 
@@ -140,10 +139,13 @@ def render(program: Program) -> str:
 
 
 HELPERS = '''def sgd(pairs, lr):
-    """Hand-written SGD: v.assign_sub(lr * g), sparse gradients scattered."""
+    """Hand-written SGD: v.assign_sub(lr * g), sparse gradients scattered (a Keras 3 variable
+    has no scatter_sub: densified)."""
     for g, v in pairs:
-        if isinstance(g, tf.IndexedSlices):
+        if isinstance(g, tf.IndexedSlices) and hasattr(v, "scatter_sub"):
             v.scatter_sub(tf.IndexedSlices(lr * g.values, g.indices))
+        elif isinstance(g, tf.IndexedSlices):
+            v.assign_sub(lr * tf.convert_to_tensor(g))
         elif g is not None:
             v.assign_sub(lr * g)
 
