@@ -112,10 +112,9 @@ class Step:
         self.slots = node.inputs
         self.feed = [None] * len(node.inputs)  # slot index -> Channel for feed slots
         self.out_specs = node.out_specs
-        # a small integer input fed from Python took several values: the output shape may
-        # follow it (a resize's size) whatever the input shapes, so it is inferred every time
-        self.value_shaped = node.kind == NodeKind.OP and any(
-            _small_int_feed(slot) and slot.values_vary for slot in node.inputs)
+        # the output shape follows a small integer fed from Python that took several values
+        # (a resize's size), whatever the input shapes: it is inferred every time
+        self.value_shaped = _value_shaped(node)
         self.check_shapes = len(node.sigs) > 1 or self.value_shaped
         n_out = len(node.out_specs)
         self.fetch = [None] * n_out  # out -> Channel (graph enqueues, Python dequeues)
@@ -844,6 +843,25 @@ def _compile_with_xla(op, scope):
     op._set_attr("_XlaCompile", attr_value_pb2.AttrValue(b=True))
     op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=scope))
     op._set_attr("_XlaSeparateCompiledGradients", attr_value_pb2.AttrValue(b=False))
+
+
+def _value_shaped(node):
+    """Whether ``node``'s output shapes follow the values of small integers fed from Python
+    that took several values: its shape function, given only their shapes, leaves an output
+    dimension unknown (a resize's size does; the labels of a loss do not)."""
+    varying = [i for i, slot in enumerate(node.inputs)
+               if _small_int_feed(slot) and slot.values_vary]
+    if node.kind is not NodeKind.OP or not varying or not node.sigs:
+        return False
+    shapes = next(iter(node.sigs))
+    inputs = [_scratch_input(node, i, shape) for i, shape in enumerate(shapes)]
+    for i in varying:
+        inputs[i] = ("shape", None, dtypes.as_dtype(node.inputs[i].dtype), shapes[i])
+    try:
+        outputs = opdefs.scratch_output_shapes(node.op_type, node.attrs, inputs)
+    except (ValueError, TypeError, errors.OpError):
+        return True
+    return not all(shape.is_fully_defined() for shape in outputs)
 
 
 def _shape_fn_decides(node):

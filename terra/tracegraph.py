@@ -597,8 +597,9 @@ def periodic_runs(keys):
 
 def signature_part(t):
     """What an external input contributes to an iteration's signature: its shape, and its
-    value if it is tiny (a size, a ratio), as bytes."""
-    if t._num_elements() <= ONCE_CONST and t.dtype not in (dtypes.string, dtypes.variant):
+    value if it is a tiny integer (a size, an index), as bytes. Shapes are integers: a float
+    fed every step (a noise scale, a loss read back) does not make every signature new."""
+    if t._num_elements() <= ONCE_CONST and (t.dtype.is_integer or t.dtype == dtypes.bool):
         return t._shape_tuple(), t._numpy_internal().tobytes()
     return t._shape_tuple(), None
 

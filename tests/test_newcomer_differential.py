@@ -225,7 +225,8 @@ def clipped_backward(x):
 
 def custom_gradient_numpy_scale(tape_cls, steps):
     """A fallback's replay once re-ran the forward ops without the custom gradient the
-    decorator had put on the tape, and trained with the unclipped gradient."""
+    decorator had put on the tape, and trained with the unclipped gradient. A batch of a size
+    no trace had (step 9) makes the fallback come after the custom gradient."""
     rng = np.random.RandomState(0)
     x_all = rng.randn(64, 8).astype("float32")
     y_all = rng.randn(64, 1).astype("float32")
@@ -234,7 +235,7 @@ def custom_gradient_numpy_scale(tape_cls, steps):
     optimizer = tf.keras.optimizers.Adam(0.01)
     losses = []
     for step in range(steps):
-        size = 16 if step % 2 == 0 else 12
+        size = 20 if step == 9 else 16 if step % 2 == 0 else 12
         x, y = x_all[:size], y_all[:size]
         with tape_cls() as tape:
             h = x @ w1
