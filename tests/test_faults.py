@@ -1,0 +1,312 @@
+"""Faults delivered in the middle of co-execution: Ctrl-C, data that makes the graph fail, the
+user's own exception, a graph that never answers.
+
+Terra's promise under a fault is eager's: the exception reaches the user's code as eager would
+raise it, the variables are those eager has at that point, nothing Terra started (a thread, a
+graph job, a real tape) is left running, and training can go on. Faults that may leave process
+state behind (a signal, a stalled GraphRunner, a patched stage) run in a child Python
+(``python tests/test_faults.py <scenario> <out.json>``) under a timeout, so a hang fails the
+test instead of stalling the suite. Every number is compared with the same program run eagerly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from differential import assert_same_as_eager
+from tensorflow.python import pywrap_tfe
+from tiny_models import batch, classification_data, mlp, mlp_task, sparse_xent, state
+
+import terra
+
+CHILD_TIMEOUT = 240  # seconds a child may take before the test fails as a hang
+STEPS, FAULT_STEP = 8, 5  # warm-up 1 + ~2 traces + generation: FAULT_STEP is co-executed
+
+
+# ------------------------------------------------------------------------------ the programs
+
+
+def slow_loop(tape_cls, steps, fault=None, progress=None):
+    """An MLP trained with Adam next to a chain of large matmuls (tenths of a second), so the
+    graph is still busy when Python gets ahead of it. ``fault(step)`` runs inside the tape after
+    the forward pass has been issued, before the loss is fetched; ``progress`` counts the
+    completed steps and holds the model, for a program that is interrupted. The data is that
+    of ``STEPS`` steps whatever ``steps`` is, so a shorter run sees the same batches."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(max(steps, STEPS) * 16, 20, 5)
+    model, optimizer, loss_fn = mlp(20, (16,), 5), tf.keras.optimizers.Adam(1e-2), sparse_xent()
+    big = tf.Variable(tf.random.normal((1024, 1024), stddev=0.03), trainable=False)
+    progress = {} if progress is None else progress
+    progress.update(completed=0, model=model, optimizer=optimizer)
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            h = big
+            for _ in range(8):
+                h = tf.matmul(h, big)
+            loss = loss_fn(y, model(x, training=True)) + 0.0 * tf.reduce_mean(h)
+            if fault is not None:
+                fault(step)
+            losses.append(float(loss))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        progress["completed"] = step + 1
+    return {"losses": losses, **state(model, optimizer)}
+
+
+def mlp_loop(tape_cls, steps):
+    """The training loop run after a fault (and ``terra.reset()``): it must co-execute again."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, **state(model, optimizer)}
+
+
+# ------------------------------------------------------------------------------ child scenarios
+
+
+def _interrupt_after(seconds, note=None):
+    """SIGINT to this process from another thread after ``seconds`` (what Ctrl-C does); ``note``
+    runs in that thread just before, to observe what the runners are doing then."""
+
+    def fire():
+        if note is not None:
+            note()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(seconds, fire)
+    timer.start()
+    return timer
+
+
+def _job_running(seen):
+    """Whether the graph job of the co-executed iteration is still running (read at the
+    moment the interrupt is sent)."""
+    runner = terra.runtime._runtime.runner
+    job = runner.it.job if runner is not None and runner.it is not None else None
+    seen["graph_running"] = job is not None and not job.done.is_set()
+
+
+def _interrupted_run(fault, prepare=None):
+    """Run ``slow_loop`` under Terra with ``fault``; the program catches KeyboardInterrupt. Then
+    check what is left and run the next loop. Returns the facts for the parent to judge."""
+    seen, progress = {}, {}
+    if prepare is not None:
+        prepare(seen)
+    began = time.monotonic()
+    try:
+        slow_loop(terra.TerraGradientTape, STEPS, fault, progress)
+        seen["caught"] = False
+    except KeyboardInterrupt as interrupt:
+        seen["caught"] = True
+        seen["frames"] = [frame.name for frame in traceback.extract_tb(interrupt.__traceback__)]
+    seen["seconds_to_catch"] = time.monotonic() - began
+    seen["completed"] = progress["completed"]
+    seen["at_catch"] = state(progress["model"], progress["optimizer"])
+    seen["tape_stack_empty"] = bool(pywrap_tfe.TFE_Py_TapeSetIsEmpty())
+    seen.update(_left_behind())
+    # the variables at the catch are eager's after the steps that completed
+    reference = slow_loop(tf.GradientTape, seen["completed"])
+    seen["eager_after_completed"] = {key: reference[key] for key in seen["at_catch"]}
+    # the next loop under Terra co-executes and gives eager's numbers (raises here otherwise)
+    outcome = assert_same_as_eager(mlp_loop, 12)
+    seen["next_coexecuted"] = outcome.stats.coexecuted
+    return seen
+
+
+def _left_behind():
+    """``terra.reset()``'s duration and the threads still alive a few seconds after it."""
+    began = time.monotonic()
+    terra.reset()
+    facts = {"reset_seconds": time.monotonic() - began}
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and len(threading.enumerate()) > 1:
+        time.sleep(0.05)
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    facts["threads"] = [t.name for t in others]
+    facts["non_daemon_threads"] = [t.name for t in others if not t.daemon]
+    return facts
+
+
+def child_interrupt_fetch():
+    """Ctrl-C while Python waits for the loss the graph has not computed yet."""
+    seen = {}
+
+    def fault(step):
+        if step == FAULT_STEP:
+            seen["phase_at_fault"] = terra.stats().phase
+            _interrupt_after(0.05, lambda: _job_running(seen))
+
+    return {**_interrupted_run(fault), **seen}
+
+
+def child_interrupt_graph_running():
+    """Ctrl-C while the graph runs and Python is busy in its own code (not waiting)."""
+    seen = {}
+
+    def fault(step):
+        if step == FAULT_STEP:
+            seen["phase_at_fault"] = terra.stats().phase
+            _interrupt_after(0.05, lambda: _job_running(seen))
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:  # the user's Python work, e.g. logging
+                pass
+
+    return {**_interrupted_run(fault), **seen}
+
+
+def child_interrupt_generation_raises():
+    """Graph generation raises KeyboardInterrupt (Ctrl-C inside Terra's builder)."""
+    original = terra.runtime.generate
+
+    def interrupted(*args, **kwargs):
+        terra.runtime.generate = original
+        raise KeyboardInterrupt
+
+    def prepare(seen):
+        terra.runtime.generate = interrupted
+
+    seen = _interrupted_run(None, prepare)
+    seen["phase_at_fault"] = "generation"
+    return seen
+
+
+def child_interrupt_during_generation():
+    """A real SIGINT that arrives while the graph is being generated."""
+    original = terra.runtime.generate
+
+    def slow_generate(*args, **kwargs):
+        terra.runtime.generate = original
+        _interrupt_after(0.02)
+        return original(*args, **kwargs)
+
+    def prepare(seen):
+        terra.runtime.generate = slow_generate
+
+    seen = _interrupted_run(None, prepare)
+    seen["phase_at_fault"] = "generation"
+    return seen
+
+
+CHILDREN = {
+    "interrupt_fetch": child_interrupt_fetch,
+    "interrupt_graph_running": child_interrupt_graph_running,
+    "interrupt_generation_raises": child_interrupt_generation_raises,
+    "interrupt_during_generation": child_interrupt_during_generation,
+}
+
+
+def _child_main(scenario, out):
+    import differential
+
+    facts = differential._to_python(CHILDREN[scenario]())
+    facts["finished_at"] = time.time()
+    Path(out).write_text(json.dumps(differential._encode(facts), allow_nan=True))
+
+
+def run_child(scenario, tmp_path, **env):
+    """Run ``scenario`` in a child Python; return its facts and the seconds from its last
+    statement to the end of the process."""
+    tests = Path(__file__).resolve().parent
+    child_env = dict(os.environ, **env)
+    child_env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests)])
+    out = tmp_path / f"{scenario}.json"
+    try:
+        done = subprocess.run([sys.executable, __file__, scenario, str(out)], env=child_env,
+                              capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"{scenario} hung for {CHILD_TIMEOUT}s:\n{_tail(hung.stderr)}")
+    exited = time.time()
+    if done.returncode != 0 or not out.exists():
+        pytest.fail(f"{scenario} failed (exit {done.returncode}):\n{_tail(done.stdout)}\n"
+                    f"{_tail(done.stderr)}")
+    import differential
+
+    facts = json.loads(out.read_text(), object_hook=differential._decode)
+    return facts, exited - facts["finished_at"]
+
+
+def _tail(text, size=6000):
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return (text or "")[-size:]
+
+
+# ------------------------------------------------------------------------------ KeyboardInterrupt
+
+
+def assert_clean_after_interrupt(facts, exit_seconds):
+    """What every interrupt must leave: the program caught it, the variables are eager's after
+    the steps that completed, no real tape records, ``terra.reset()`` returns at once, no thread
+    of Terra's survives it, the process exits promptly and the next loop co-executes with
+    eager's numbers (checked in the child by ``assert_same_as_eager``)."""
+    context = {key: value for key, value in facts.items()
+               if key not in ("at_catch", "eager_after_completed")}
+    assert facts["caught"], f"the KeyboardInterrupt never reached the program: {context}"
+    for key, value in facts["eager_after_completed"].items():
+        for index, (eager, terra_value) in enumerate(zip(value, facts["at_catch"][key],
+                                                         strict=True)):
+            np.testing.assert_allclose(terra_value, eager, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{key}[{index}] at the catch, {context}")
+    assert facts["tape_stack_empty"], f"a real GradientTape was left recording: {context}"
+    assert facts["reset_seconds"] < 5.0, f"terra.reset() took long: {context}"
+    assert facts["threads"] == [], f"threads left after terra.reset(): {context}"
+    assert facts["next_coexecuted"] >= 1, context
+    assert exit_seconds < 30.0, f"the process took {exit_seconds:.1f}s to exit: {context}"
+
+
+def test_interrupt_while_python_waits_for_a_fetch(tmp_path):
+    """Ctrl-C lands while ``float(loss)`` blocks on the graph (the traceback passes through
+    the PythonRunner's wait). Fails if the interrupt is swallowed or turned into another
+    exception, if the variables at the catch differ from eager's after the completed steps, if
+    the GraphRunner keeps running the job or a thread outlives ``terra.reset()``, or if the next
+    loop does not co-execute with eager's numbers."""
+    facts, exit_seconds = run_child("interrupt_fetch", tmp_path)
+    assert facts["phase_at_fault"] == "coexecution", facts["phase_at_fault"]
+    assert facts["graph_running"], "the graph had finished before the interrupt: too fast"
+    assert "_wait" in facts.get("frames", []), f"not interrupted in a fetch: {facts}"
+    assert_clean_after_interrupt(facts, exit_seconds)
+
+
+def test_interrupt_while_the_graph_runs_and_python_does_not_wait(tmp_path):
+    """Ctrl-C lands in the user's own Python work while the graph computes the iteration.
+    Fails like the fetch case; in addition the graph must have been running then."""
+    facts, exit_seconds = run_child("interrupt_graph_running", tmp_path)
+    assert facts["phase_at_fault"] == "coexecution", facts["phase_at_fault"]
+    assert facts["graph_running"], "the graph had finished before the interrupt: too fast"
+    assert "_wait" not in facts.get("frames", []), f"Python was waiting: {facts}"
+    assert_clean_after_interrupt(facts, exit_seconds)
+
+
+@pytest.mark.parametrize("scenario", ["interrupt_generation_raises",
+                                      "interrupt_during_generation"])
+def test_interrupt_during_graph_generation(scenario, tmp_path):
+    """KeyboardInterrupt out of graph generation (raised by the builder, or a SIGINT that
+    arrives while it runs) reaches the program at the tape's ``with``. Fails if Terra swallows
+    it (generation's failures become eager execution, but an interrupt is the user's), if a
+    half-built state breaks the variables or the next loop, or if a thread is left."""
+    facts, exit_seconds = run_child(scenario, tmp_path)
+    assert "_generate" in facts.get("frames", []), f"not interrupted in generation: {facts}"
+    assert_clean_after_interrupt(facts, exit_seconds)
+
+
+if __name__ == "__main__":
+    _child_main(*sys.argv[1:])
