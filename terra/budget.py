@@ -38,6 +38,10 @@ class Ledger:
     saved: float = 0.0
     iterations: int = 0
     last_generation: float = 0.0
+    # fallback site (the user's file:line) -> [fallbacks, seconds over eager they cost: the
+    # iteration that fell back and the graph built again after it]
+    sites: dict = dataclasses.field(default_factory=dict)
+    _rebuild_for: str | None = None  # the site whose fallback the next generation follows
 
     def reference(self):
         """Eager's time for one iteration, or None before one ran plainly. A traced
@@ -48,10 +52,16 @@ class Ledger:
         ref = statistics.median(self.eager)
         return min(ref, min(self.traced)) if self.traced else ref
 
-    def iteration(self, kind: str, seconds: float):
+    def iteration(self, kind: str, seconds: float, site: str | None = None):
         """Book one finished iteration: ``eager`` (warm-up or given up), ``traced``,
-        ``coexecuted`` or ``fell back``."""
+        ``coexecuted`` or ``fell back`` (at ``site``)."""
         self.iterations += 1
+        if site is not None:
+            ref = self.reference() or 0.0
+            entry = self.sites.setdefault(site, [0, 0.0])
+            entry[0] += 1
+            entry[1] += max(0.0, seconds - ref)
+            self._rebuild_for = site
         if kind == "eager":
             self.eager.append(seconds)
             return
@@ -69,6 +79,9 @@ class Ledger:
     def generation(self, seconds: float):
         self.spent += seconds
         self.last_generation = seconds
+        if self._rebuild_for is not None:
+            self.sites[self._rebuild_for][1] += seconds
+            self._rebuild_for = None
 
     def affordable(self) -> bool:
         """Whether building the graph again (about what the last generation took) keeps
@@ -103,5 +116,9 @@ class Ledger:
     def __str__(self):
         ref = self.reference()
         eager = f"~{ref * 1e3:.1f} ms" if ref is not None else "unknown"
-        return (f"cost ledger: eager iteration {eager}; spent {self.spent:.2f}s over eager, "
-                f"earned back {self.saved:.2f}s")
+        lines = [f"cost ledger: eager iteration {eager}; spent {self.spent:.2f}s over eager, "
+                 f"earned back {self.saved:.2f}s"]
+        for site, (n, cost) in sorted(self.sites.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"  fallbacks at {site}: {n}, cost {cost:.2f}s (the iterations and "
+                         "the graphs built again after them)")
+        return "\n".join(lines)

@@ -184,7 +184,7 @@ class Runtime:
         self.events = []  # fallbacks and other notes for explain()
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
         self.ledger = budget.Ledger(budget=config.budget)
-        self._began = None  # (phase, start time, fell back) of the running iteration
+        self._began = None  # (phase, start time, site it fell back at or False): this iteration
         self._generation_time = 0.0  # of the iteration that is ending
         self.ctx = context.context()
         self.owner = threading.get_ident()
@@ -280,7 +280,8 @@ class Runtime:
             phase, began, fell = self._began
             kind = ("fell back" if fell else "eager" if phase in ("warmup", "eager", "waiting") else
                     "traced" if phase == "tracing" else "coexecuted")
-            self.ledger.iteration(kind, now - began - self._generation_time)
+            self.ledger.iteration(kind, now - began - self._generation_time,
+                                  site=fell if fell else None)
         self._generation_time = 0.0
         verdict = self.ledger.verdict() if self.phase in ("tracing", "coexecution") else None
         if verdict is not None:
@@ -520,8 +521,9 @@ class Runtime:
             raise RuntimeError(f"Terra: {why} at {user_location()}, after the iteration it "
                                "belongs to had ended; its tape was never run for real")
         job = it.job
-        if self._began is not None:
-            self._began = (*self._began[:2], True)
+        where = user_location()
+        if self._began is not None:  # the site the fallback's cost is booked to
+            self._began = (*self._began[:2], f"{where.file}:{where.line}" if where else "?")
         self.graph_runner.cancel(job)
         fallback_lib.restore(job, config.timeout)
         self.stats.fallbacks += 1

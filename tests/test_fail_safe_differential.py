@@ -293,3 +293,23 @@ def test_graph_not_built_again_beyond_the_budget_runs_eagerly_with_eager_numbers
     assert outcome.stats.graph_generations == 1 + terra.config.config.free_rebuilds, \
         outcome.report()
     assert "waiting: building the graph again" in outcome.explain, outcome.report()
+    assert "fallbacks at " in outcome.explain and "test_fail_safe_differential.py:" in \
+        outcome.explain.split("fallbacks at ", 1)[1], outcome.report()
+
+
+def test_ledger_books_each_fallback_site_with_the_graph_built_after_it():
+    from terra.budget import Ledger
+
+    ledger = Ledger(budget=0.05)
+    ledger.iteration("eager", 0.010)
+    ledger.iteration("traced", 0.010)
+    ledger.generation(0.3)  # the first graph: no site's
+    ledger.iteration("fell back", 0.050, site="train.py:12")
+    ledger.generation(0.2)
+    ledger.iteration("fell back", 0.030, site="train.py:30")
+    ledger.iteration("fell back", 0.030, site="train.py:12")
+    assert ledger.sites["train.py:12"][0] == 2
+    assert abs(ledger.sites["train.py:12"][1] - (0.04 + 0.2 + 0.02)) < 1e-9
+    assert abs(ledger.sites["train.py:30"][1] - 0.02) < 1e-9
+    text = str(ledger)
+    assert text.index("train.py:12") < text.index("train.py:30")  # costliest first
