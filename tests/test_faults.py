@@ -11,6 +11,7 @@ test instead of stalling the suite. Every number is compared with the same progr
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -24,11 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorflow as tf
-from differential import assert_same_as_eager
+from differential import assert_same_as_eager, record_stats
+from tensorflow.errors import InvalidArgumentError
 from tensorflow.python import pywrap_tfe
 from tiny_models import batch, classification_data, mlp, mlp_task, sparse_xent, state
 
 import terra
+from terra import graph_runner
 
 CHILD_TIMEOUT = 240  # seconds a child may take before the test fails as a hang
 STEPS, FAULT_STEP = 8, 5  # warm-up 1 + ~2 traces + generation: FAULT_STEP is co-executed
@@ -206,11 +209,61 @@ def child_interrupt_during_generation():
     return seen
 
 
+def _stall_graph(seconds):
+    """Make the GraphRunner sleep ``seconds`` before the second co-executed iteration's job,
+    as a graph that hangs would."""
+    original = graph_runner.GraphRunner._run
+    jobs = [0]
+
+    def stalled(self, job, ctx):
+        jobs[0] += 1
+        if jobs[0] == 2:
+            time.sleep(seconds)
+        return original(self, job, ctx)
+
+    graph_runner.GraphRunner._run = stalled
+
+
+def child_timeout_graph_late():
+    """The graph answers after one timeout but within two: the fetch times out, Terra falls
+    back and the run ends with eager's numbers; ``explain()`` names the line."""
+    _stall_graph(3.0)
+    began = time.monotonic()
+    results = slow_loop(terra.TerraGradientTape, STEPS)
+    facts = {"seconds": time.monotonic() - began, "explain": terra.explain(),
+             "fallbacks": terra.stats().fallbacks, "terra": results}
+    terra.reset()
+    facts["eager"] = slow_loop(tf.GradientTape, STEPS)
+    return facts
+
+
+def child_timeout_graph_hung():
+    """The graph never answers: the program gets a TimeoutError within a bounded time."""
+    _stall_graph(3600.0)
+    began = time.monotonic()
+    try:
+        slow_loop(terra.TerraGradientTape, STEPS)
+        facts = {"raised": None}
+    except Exception as error:  # noqa: BLE001 - which exception it is, is what is checked
+        facts = {"raised": type(error).__name__, "message": str(error)}
+    facts["seconds"] = time.monotonic() - began
+    began = time.monotonic()
+    try:
+        terra.reset()
+        facts["reset_raised"] = None
+    except Exception as error:  # noqa: BLE001
+        facts["reset_raised"] = f"{type(error).__name__}: {error}"
+    facts["reset_seconds"] = time.monotonic() - began
+    return facts
+
+
 CHILDREN = {
     "interrupt_fetch": child_interrupt_fetch,
     "interrupt_graph_running": child_interrupt_graph_running,
     "interrupt_generation_raises": child_interrupt_generation_raises,
     "interrupt_during_generation": child_interrupt_during_generation,
+    "timeout_graph_late": child_timeout_graph_late,
+    "timeout_graph_hung": child_timeout_graph_hung,
 }
 
 
@@ -253,6 +306,21 @@ def _tail(text, size=6000):
 # ------------------------------------------------------------------------------ KeyboardInterrupt
 
 
+def assert_numbers_equal(terra_values, eager_values, what):
+    """Nested dicts/lists of arrays from a child: Terra's equal eager's (float tolerance)."""
+    if isinstance(eager_values, dict):
+        assert sorted(terra_values) == sorted(eager_values), what
+        for key in eager_values:
+            assert_numbers_equal(terra_values[key], eager_values[key], f"{what}[{key!r}]")
+    elif isinstance(eager_values, list) and not np.isscalar(eager_values[0]):
+        assert len(terra_values) == len(eager_values), what
+        for index, (left, right) in enumerate(zip(terra_values, eager_values, strict=True)):
+            assert_numbers_equal(left, right, f"{what}[{index}]")
+    else:
+        np.testing.assert_allclose(terra_values, eager_values, rtol=1e-5, atol=1e-6,
+                                   err_msg=what)
+
+
 def assert_clean_after_interrupt(facts, exit_seconds):
     """What every interrupt must leave: the program caught it, the variables are eager's after
     the steps that completed, no real tape records, ``terra.reset()`` returns at once, no thread
@@ -261,11 +329,8 @@ def assert_clean_after_interrupt(facts, exit_seconds):
     context = {key: value for key, value in facts.items()
                if key not in ("at_catch", "eager_after_completed")}
     assert facts["caught"], f"the KeyboardInterrupt never reached the program: {context}"
-    for key, value in facts["eager_after_completed"].items():
-        for index, (eager, terra_value) in enumerate(zip(value, facts["at_catch"][key],
-                                                         strict=True)):
-            np.testing.assert_allclose(terra_value, eager, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"{key}[{index}] at the catch, {context}")
+    assert_numbers_equal(facts["at_catch"], facts["eager_after_completed"],
+                         f"the variables at the catch, {context}")
     assert facts["tape_stack_empty"], f"a real GradientTape was left recording: {context}"
     assert facts["reset_seconds"] < 5.0, f"terra.reset() took long: {context}"
     assert facts["threads"] == [], f"threads left after terra.reset(): {context}"
@@ -306,6 +371,171 @@ def test_interrupt_during_graph_generation(scenario, tmp_path):
     facts, exit_seconds = run_child(scenario, tmp_path)
     assert "_generate" in facts.get("frames", []), f"not interrupted in generation: {facts}"
     assert_clean_after_interrupt(facts, exit_seconds)
+
+
+
+# ------------------------------------------------------------------------------ timeouts
+
+
+def slow_loop_lines():
+    """``file:line`` of the loss line (the op a fetch waits for) and of the fetch itself."""
+    lines, first = inspect.getsourcelines(slow_loop)
+    name = os.path.basename(__file__)
+    return [f"{name}:{first + i}" for i, line in enumerate(lines)
+            if "loss = loss_fn(" in line or "float(loss)" in line]
+
+
+def test_graph_late_beyond_the_timeout_falls_back_naming_the_line(tmp_path):
+    """``TERRA_TIMEOUT=2`` and a GraphRunner that starts a job 3 s late: the fetch times out,
+    Terra's fallback (``explain()``) names the user's line, the run finishes with eager's
+    numbers. Fails on a hang, on an exception reaching the program, on an ``explain()`` entry
+    without the line, or on numbers other than eager's."""
+    facts, _ = run_child("timeout_graph_late", tmp_path, TERRA_TIMEOUT="2")
+    entries = [line for line in facts["explain"].splitlines() if "TimeoutError" in line]
+    assert entries and any(where in entries[0] for where in slow_loop_lines()), facts["explain"]
+    assert facts["fallbacks"] >= 1, facts["explain"]
+    assert facts["seconds"] < 60, facts["seconds"]
+    assert_numbers_equal(facts["terra"], facts["eager"], "the run after the timeout")
+
+
+HUNG_GRAPH = ("a hung graph: the fetch's TimeoutError names the line but is taken for Terra's "
+              "own failure; the fallback's restore then times out with a message naming no "
+              "line, and terra.reset() raises it too and keeps the runtime (see "
+              "fault_hung_graph_timeout in the bug list)")
+
+
+@pytest.mark.xfail(strict=True, reason=HUNG_GRAPH)
+def test_graph_hung_raises_timeout_naming_the_line(tmp_path):
+    """``TERRA_TIMEOUT=2`` and a GraphRunner that never runs the job: the program gets a
+    TimeoutError naming its own line within a few timeouts. Fails on a hang (the child's
+    timeout), on no error or another type, or on a message that names no line of the loop."""
+    facts, _ = run_child("timeout_graph_hung", tmp_path, TERRA_TIMEOUT="2")
+    assert facts["raised"] == "TimeoutError", facts
+    assert facts["seconds"] < 30, facts
+    assert any(where in facts["message"] for where in slow_loop_lines()), facts
+
+
+@pytest.mark.xfail(strict=True, reason=HUNG_GRAPH)
+def test_reset_after_a_hung_graph_returns_promptly(tmp_path):
+    """After the TimeoutError, ``terra.reset()`` must drop the runtime (the hung job runs in a
+    daemon thread and is abandoned) rather than wait for it again and raise. Fails if reset
+    raises or takes more than a few seconds."""
+    facts, _ = run_child("timeout_graph_hung", tmp_path, TERRA_TIMEOUT="2")
+    assert facts["reset_raised"] is None, facts
+    assert facts["reset_seconds"] < 5, facts
+
+
+# ---------------------------------------------------------------------- data and user errors
+
+FAULT_INDEX = 99  # out of range of the 5 class weights
+GATHER_CALL = "weights = tf.gather("  # the failing line of gather_from_batch
+
+
+def gather_from_batch(tape_cls, steps):
+    """Per-example class weights looked up with indices that come with the numpy batch; one
+    index of step ``FAULT_STEP`` is out of range, so the gather fails inside the graph. The
+    program catches the error and records its type, whether it names the gather's line, and
+    every variable at that point, then trains on."""
+    data, model, optimizer, _ = mlp_task(steps)
+    indices = (np.arange(steps * 16) % 5).astype(np.int32)
+    indices[FAULT_STEP * 16 + 3] = FAULT_INDEX
+    class_weights = tf.constant([1.0, 0.5, 2.0, 1.5, 0.75])
+    losses, caught = [], []
+    for step in range(steps):
+        record_stats(f"step{step}")
+        x, y, index = batch((*data, indices), step, 16)
+        try:
+            with tape_cls() as tape:
+                logits = model(x, training=True)
+                weights = tf.gather(class_weights, index)
+                loss = tf.reduce_mean(weights * tf.keras.losses.sparse_categorical_crossentropy(
+                    y, logits, from_logits=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            losses.append(float(loss))
+        except InvalidArgumentError as error:
+            caught.append({"step": step, "type": type(error).__name__,
+                           "names_line": _names_line(error, gather_from_batch, GATHER_CALL),
+                           **state(model, optimizer)})
+    return {"losses": losses, "caught": caught, **state(model, optimizer)}
+
+
+def _names_line(error, function, call):
+    """Whether ``error``'s message or traceback names the line of ``function`` with ``call``."""
+    lines, first = inspect.getsourcelines(function)
+    [line] = [first + i for i, text in enumerate(lines) if call in text]
+    path = os.path.abspath(inspect.getsourcefile(function))
+    frames = [(os.path.abspath(f.filename), f.lineno)
+              for f in traceback.extract_tb(error.__traceback__)]
+    return f"{os.path.basename(path)}:{line}" in str(error) or (path, line) in frames
+
+
+def test_out_of_range_index_from_the_batch_raises_like_eager(tmp_path):
+    """A data-dependent InvalidArgumentError in the graph (an index fed from the numpy batch)
+    while co-executing: the program catches the same exception type as eager, naming the
+    gather's line, with eager's variables at that point, and training goes on with eager's
+    numbers. Fails if Terra raises another type (or nothing), names no line, leaves the graph's
+    partial updates in the variables, or stops co-executing for good."""
+    outcome = assert_same_as_eager(gather_from_batch, 12, expect_fallbacks=(1, 2), max_traces=4,
+                                   env={})
+    [caught] = outcome.terra["caught"]
+    assert caught["step"] == FAULT_STEP and caught["names_line"], caught
+    assert outcome.stats_at(f"step{FAULT_STEP}").phase == "coexecution", outcome.report()
+    assert outcome.stats.coexecuted > outcome.stats_at(f"step{FAULT_STEP + 1}").coexecuted, (
+        f"co-execution did not resume\n{outcome.report()}")
+
+
+class BadRecord(ValueError):
+    """The user's own error."""
+
+
+def user_error(where):
+    """Raise ``BadRecord`` at ``FAULT_STEP``, ``where`` in the iteration: between the two
+    layers of the forward pass (inside the tape) or between the gradient and the update
+    (outside it, while the graph may already have applied the update). The program catches it,
+    records every variable, and trains on."""
+
+    def program(tape_cls, steps):
+        data, model, optimizer, loss_fn = mlp_task(steps)
+        hidden, head = model.layers
+        losses, caught = [], []
+        for step in range(steps):
+            record_stats(f"step{step}")
+            x, y = batch(data, step, 16)
+            try:
+                with tape_cls() as tape:
+                    h = hidden(x, training=True)
+                    if step == FAULT_STEP and where == "mid_forward":
+                        raise BadRecord(f"bad record at step {step}")
+                    loss = loss_fn(y, head(h, training=True))
+                grads = tape.gradient(loss, model.trainable_variables)
+                if step == FAULT_STEP and where == "before_update":
+                    raise BadRecord(f"gradient check failed at step {step}")
+                optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+                losses.append(float(loss))
+            except BadRecord as error:
+                caught.append({"message": str(error), **state(model, optimizer)})
+        return {"losses": losses, "caught": caught, **state(model, optimizer)}
+
+    return program
+
+
+def user_error_mid_forward(tape_cls, steps):
+    return user_error("mid_forward")(tape_cls, steps)
+
+
+def user_error_before_update(tape_cls, steps):
+    return user_error("before_update")(tape_cls, steps)
+
+
+@pytest.mark.parametrize("program", [user_error_mid_forward, user_error_before_update])
+def test_user_exception_while_coexecuting_keeps_eager_variables(program):
+    """The user's ValueError while co-executing: the variables read right after the catch and
+    at the end equal eager's. Fails if the graph's work of the abandoned iteration (its update,
+    run ahead of Python) stays in the variables, or if the exception is lost or changed."""
+    outcome = assert_same_as_eager(program, 12, expect_fallbacks=(1, 2), max_traces=4, env={})
+    assert len(outcome.terra["caught"]) == 1, outcome.report()
+    assert outcome.stats_at(f"step{FAULT_STEP}").phase == "coexecution", outcome.report()
 
 
 if __name__ == "__main__":
