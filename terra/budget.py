@@ -11,8 +11,9 @@ would never earn it back. (A program that never gets to co-execute is stopped by
 fallback limits, ``Config.max_fallbacks_in_a_row``.)
 
 The first graph is always built: nothing tells in advance whether a program will settle, and
-so are the next few (``Config.free_rebuilds``: a late path or two is common). Past those, a
-graph built again after a fallback is an investment the ledger must afford: a program whose
+so are the next few if the last one was cheap (``Config.free_rebuilds``, each costing at most
+20 eager iterations: a late path or two is common). Past those, a graph built again after a
+fallback is an investment the ledger must afford: a program whose
 paths keep coming would otherwise pay a generation at every new one (seconds for a large
 graph, hundreds of eager steps). Until the ledger's debt plus the last generation's cost fits
 in the budget of the run so far, the runtime runs iterations eagerly (``waiting``), which costs
@@ -82,6 +83,14 @@ class Ledger:
         if self._rebuild_for is not None:
             self.sites[self._rebuild_for][1] += seconds
             self._rebuild_for = None
+
+    def rebuild_allowed(self, rebuilds: int, free: int, cheap_steps: float = 20.0) -> bool:
+        """Whether to build the graph again now, after ``rebuilds`` rebuilds: the first
+        ``free`` are, if the last generation cost at most ``cheap_steps`` eager iterations (a
+        late path or two is common, and settles); any other must be affordable."""
+        ref = self.reference()
+        cheap = ref is None or self.last_generation <= cheap_steps * ref
+        return rebuilds < free and cheap or self.affordable()
 
     def affordable(self) -> bool:
         """Whether building the graph again (about what the last generation took) keeps

@@ -44,10 +44,11 @@ class Config:
         generation, fallbacks) without earning them back, as a fraction of the run's eager
         time; past it, and with
         co-executed iterations no faster than eager, Terra runs eagerly (``terra.budget``).
-      free_rebuilds: graphs built again after a fallback without asking the budget: a
-        program with a late path or two (a target network synced every few steps, one new
-        shape) settles after one or two; one whose paths keep coming then waits, running
-        eagerly, until the budget affords the next (``terra.budget``).
+      free_rebuilds: graphs built again after a fallback without asking the budget, if the
+        last generation took at most 20 eager iterations: a program with a late path or two
+        (a target network synced every few steps, one new shape) settles after one or two; one
+        whose paths keep coming, or whose graph is costly to build, waits, running eagerly,
+        until the budget affords the next (``terra.budget``).
       max_fallbacks_in_a_row: after this many fallbacks without a co-executed iteration in
         between, or this many in all once they outnumber the co-executed iterations, stop
         generating graphs and run eagerly (``explain()`` says why): a program that takes a

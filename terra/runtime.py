@@ -400,8 +400,8 @@ class Runtime:
         elif covered and s.fallbacks >= limit and s.fallbacks > s.coexecuted:
             self._give_up(f"{s.fallbacks} fallbacks and only {s.coexecuted} co-executed "
                           "iterations: new paths keep coming (see the fallbacks)")
-        elif covered and s.graph_generations > config.free_rebuilds and \
-                not self.ledger.affordable():
+        elif covered and s.graph_generations and not self.ledger.rebuild_allowed(
+                s.graph_generations - 1, config.free_rebuilds):
             self.phase = "waiting"  # eager until the budget affords building the graph again
             self.events.append(("waiting", "building the graph again would cost more than the "
                                 "budget affords now: running eagerly until it does (see the "
