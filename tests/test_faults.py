@@ -43,7 +43,7 @@ STEPS, FAULT_STEP = 8, 5  # warm-up 1 + ~2 traces + generation: FAULT_STEP is co
 def slow_loop(tape_cls, steps, fault=None, progress=None):
     """An MLP trained with Adam next to a chain of large matmuls (tenths of a second), so the
     graph is still busy when Python gets ahead of it. ``fault(step)`` runs inside the tape after
-    the forward pass has been issued, before the loss is fetched; ``progress`` counts the
+    the forward pass has been sent to the graph, before the loss is fetched; ``progress`` counts the
     completed steps and holds the model, for a program that is interrupted. The data is that
     of ``STEPS`` steps whatever ``steps`` is, so a shorter run sees the same batches."""
     tf.keras.utils.set_random_seed(0)
