@@ -30,10 +30,15 @@ def watch_read(tapes, op_type, handle):
                 tape.real.watch(handle)
 
 
+class GraphStuck(TimeoutError):
+    """A cancelled graph job did not stop within the timeout: the variables it writes cannot be
+    put back (it may still write them), so the iteration cannot fall back."""
+
+
 def restore(job, timeout):
     """Wait for ``job`` to stop and put back the variables it may have written."""
     if not job.done.wait(timeout):
-        raise TimeoutError("Terra: the graph did not stop within the timeout after cancel")
+        raise GraphStuck(f"the graph did not stop within {timeout:.0f}s of being cancelled")
     if job.snapshot is None:
         return
     ctx = context.context()

@@ -525,7 +525,10 @@ class Runtime:
         if self._began is not None:  # the site the fallback's cost is booked to
             self._began = (*self._began[:2], f"{where.file}:{where.line}" if where else "?")
         self.graph_runner.cancel(job)
-        fallback_lib.restore(job, config.timeout)
+        try:
+            fallback_lib.restore(job, config.timeout)
+        except fallback_lib.GraphStuck as stuck:
+            raise self._abandon(why, stuck) from None
         self.stats.fallbacks += 1
         self.fallbacks_in_a_row += 1
         if isinstance(why, Mismatch):
@@ -550,6 +553,23 @@ class Runtime:
             # Python issued every op and eager ran them all without an error: the numbers
             # are eager's, but the graph should not have failed. Say so in explain().
             self.events.append(("graph error not reproduced eagerly", str(why), None))
+
+    def _abandon(self, why, stuck):
+        """The graph neither answered nor stopped when cancelled (a kernel that never returns):
+        leave its thread behind, run eagerly from here, and return the error for the user,
+        which names the wait that gave up and the user's line."""
+        self.runner.it = None
+        self.graph = None
+        self._graph_runner.stop()  # its thread ends if the job ever returns (a daemon)
+        self._watchdog.stop()
+        self._graph_runner = self._watchdog = None
+        where = user_location()
+        at = f" at {where.file}:{where.line}" if where else ""
+        message = (f"Terra: {why}; {stuck}{at}. Terra abandoned that graph and runs eagerly "
+                   "from here; variables it was writing may be partly updated. Raise "
+                   "TERRA_TIMEOUT if a step legitimately takes longer.")
+        self._give_up(message)
+        return fallback_lib.GraphStuck(message)
 
     def _graph_error(self, job):
         # Called in the GraphRunner thread: unblock a PythonRunner waiting on a fetch.
