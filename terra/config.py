@@ -44,6 +44,10 @@ class Config:
         generation, fallbacks) without earning them back, as a fraction of the run's eager
         time; past it, and with
         co-executed iterations no faster than eager, Terra runs eagerly (``terra.budget``).
+      verbosity: (``TERRA_VERBOSITY``, like ``AUTOGRAPH_VERBOSITY``) what the ``terra`` logger
+        prints to stderr: 0, a warning the first time a site falls back and when Terra runs
+        eagerly for good or fails itself; 1, every event ``explain()`` lists, as it happens.
+        Standard ``logging`` configuration of the ``terra`` logger works as usual.
       free_rebuilds: graphs built again after a fallback without asking the budget, if the
         last generation took at most 20 eager iterations: a program with a late path or two
         (a target network synced every few steps, one new shape) settles after one or two; one
@@ -68,6 +72,7 @@ class Config:
     max_fallbacks_in_a_row: int = 4
     budget: float = 0.05
     free_rebuilds: int = 2
+    verbosity: int = 0
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -80,6 +85,7 @@ class Config:
             freeze_gc=_env_flag("TERRA_FREEZE_GC", default=True),
             timeout=float(os.environ.get("TERRA_TIMEOUT", "120")),
             budget=float(os.environ.get("TERRA_BUDGET", "0.05")),
+            verbosity=int(os.environ.get("TERRA_VERBOSITY", "0")),
         )
 
 

@@ -9,6 +9,7 @@ Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first 
 
 import dataclasses
 import gc
+import logging
 import threading
 import time
 import traceback
@@ -36,6 +37,9 @@ from terra.python_runner import (
 )
 from terra.trace import Recorder
 from terra.tracegraph import NodeKind, TraceGraph
+
+log = logging.getLogger("terra")
+_WARN = ("fallback", "eager", "Terra error", "graph error")  # events worth a warning
 
 _EagerTensor = ops.EagerTensor
 _Variable = resource_variable_ops.BaseResourceVariable
@@ -182,6 +186,10 @@ class Runtime:
         self.graph = None
         self.unsupported = None
         self.events = []  # fallbacks and other notes for explain()
+        self._logged = set()  # (kind of event, site) already logged as a warning
+        if config.verbosity > 0 and not log.handlers:
+            log.addHandler(logging.StreamHandler())
+            log.setLevel(logging.INFO)
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
         self.ledger = budget.Ledger(budget=config.budget)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
@@ -367,7 +375,7 @@ class Runtime:
         self.ctx.remove_op_callback(rec.callback)
         rec.finish()
         if rec.broken is not None:
-            self.events.append(("Terra error while tracing (trace dropped)", rec.broken, None))
+            self._note("Terra error while tracing (trace dropped)", rec.broken)
             return
         if rec.creates_state or rec.aborted or not rec.records:
             return
@@ -403,9 +411,8 @@ class Runtime:
         elif covered and s.graph_generations and not self.ledger.rebuild_allowed(
                 s.graph_generations - 1, config.free_rebuilds):
             self.phase = "waiting"  # eager until the budget affords building the graph again
-            self.events.append(("waiting", "building the graph again would cost more than the "
-                                "budget affords now: running eagerly until it does (see the "
-                                "cost ledger)", None))
+            self._note("waiting", "building the graph again would cost more than the budget "
+                       "affords now: running eagerly until it does (see the cost ledger)")
         elif covered:
             self._generate()
 
@@ -434,9 +441,21 @@ class Runtime:
             gc.collect()
             gc.freeze()
 
+    def _note(self, what, reason, where=None):
+        """An event for ``explain()``, and a log record (logger ``terra``): the first of its
+        kind at a site is a warning (Terra stopped, a fallback, its own failure), the rest
+        are for ``TERRA_VERBOSITY`` 1 and up; informational events are always below."""
+        self.events.append((what, reason, where))
+        at = f" at {where.file}:{where.line}" if where else ""
+        key = (what.split(" [")[0], at)
+        first = key not in self._logged
+        self._logged.add(key)
+        level = logging.WARNING if first and what.startswith(_WARN) else logging.INFO
+        log.log(level, "Terra %s%s: %s", what, at, reason.splitlines()[0] if reason else "")
+
     def _give_up(self, reason):
         self.unsupported = reason
-        self.events.append(("eager", reason, None))
+        self._note("eager", reason)
         self.phase = "eager"
         interception.set_handler(self.tracing_door)
 
@@ -448,8 +467,7 @@ class Runtime:
             self.leave(Mismatch(f"tape.{what} runs on the real tape", "unsupported"))
         if self.recorder is not None:
             if not self.recorder.aborted:
-                self.events.append(("trace not merged", f"tape.{what} was called",
-                                    user_location()))
+                self._note("trace not merged", f"tape.{what} was called", user_location())
             self.recorder.aborted = True
 
     # -- leaving co-execution -------------------------------------------------------------
@@ -493,7 +511,7 @@ class Runtime:
         if self.coexecuting():
             self.leave(why)
         else:
-            self.events.append(("Terra error (ran eagerly)", why.reason, user_location()))
+            self._note("Terra error (ran eagerly)", why.reason, user_location())
 
     def recover(self, why) -> bool:
         """Leave co-execution after a failed runner step; True if the op already ran (its
@@ -539,7 +557,7 @@ class Runtime:
                 category, reason = "new loop count", f"{loop} ({reason})"
         else:
             category, reason = "graph error", str(why)
-        self.events.append((f"fallback [{category}]", reason, user_location()))
+        self._note(f"fallback [{category}]", reason, user_location())
         runner.it = None
         self.graph = None
         self.phase = "tracing"
@@ -552,7 +570,7 @@ class Runtime:
         if isinstance(why, GraphFailed) and why.at_end:
             # Python issued every op and eager ran them all without an error: the numbers
             # are eager's, but the graph should not have failed. Say so in explain().
-            self.events.append(("graph error not reproduced eagerly", str(why), None))
+            self._note("graph error not reproduced eagerly", str(why))
 
     def _abandon(self, why, stuck):
         """The graph neither answered nor stopped when cancelled (a kernel that never returns):

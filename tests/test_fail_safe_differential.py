@@ -329,3 +329,25 @@ def test_free_rebuilds_only_when_the_last_generation_was_cheap():
     assert not ledger.rebuild_allowed(2, free=2)
     ledger.generation(0.5)  # 50 eager iterations: not free
     assert not ledger.rebuild_allowed(0, free=2)
+
+
+def test_a_fallback_site_is_a_warning_once(caplog):
+    """Without ``explain()``, a user learns from the ``terra`` logger that a site falls back
+    (once per site); the next fallbacks and informational events stay below warnings."""
+    import logging
+
+    def program(tape_cls, steps):
+        if tape_cls is terra.TerraGradientTape:
+            terra.configure(budget=0.05)
+        try:
+            return new_path_every_other_step(tape_cls, steps)
+        finally:
+            terra.configure(budget=float("inf"))
+
+    with caplog.at_level(logging.INFO, logger="terra"):
+        outcome = assert_same_as_eager(program, 18, expect_fallbacks=(1, None), max_traces=12)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len([w for w in warnings if w.startswith("Terra fallback")]) == 1, warnings
+    assert "test_fail_safe_differential.py:" in warnings[0], warnings
+    assert outcome.stats.fallbacks == 1 or any(i.startswith("Terra fallback") for i in infos)
