@@ -273,7 +273,7 @@ class Runtime:
         if self.phase != "tracing":
             return tape.real.gradient(*map(self._swap_all, (target, sources, output_gradients)),
                                       unconnected_gradients=unconnected)
-        return tape.traced_gradient(self._swap_all(target), sources,
+        return tape.traced_gradient(self._swap_all(target), self._swap_all(sources),
                                     self._swap_all(output_gradients), unconnected, attrs)
 
     def _swap_all(self, structure):

@@ -83,3 +83,43 @@ def test_nested_tape_on_an_activation_coexecutes_and_replays():
     outcome = assert_same_as_eager(nested_tape_on_an_activation, 12, rtol=1e-5,
                                    expect_fallbacks=(1, 2), max_traces=6, min_coexecuted=3)
     assert "outlived its iteration" not in outcome.explain, outcome.report()
+
+
+def nested_tape_after_a_cycling_branch(tape_cls, steps):
+    """The activation a nested tape watches comes out of a branch cycling over three paths and
+    a scale read back from the loss. Co-execution fell back at the inner ``tape.gradient``
+    itself (its forward pass took a path its recorded gradient was not computed for); the
+    gradient then ran on the real tape with the watched activation's stand-in as its source,
+    not the replayed value, and returned None (a TypeError in user code)."""
+    rng = np.random.default_rng(5)
+    emb = tf.Variable(rng.normal(0, 0.4, (20, 8)).astype("float32"))
+    out = tf.Variable(rng.normal(0, 0.4, (8, 3)).astype("float32"))
+    params = [emb, out]
+    mode, scale, losses = 0, 1.0, []
+    for step in range(steps):
+        ids = tf.constant(rng.integers(0, 20, (8, (3, 5)[step % 2])).astype("int32"))
+        y = tf.constant(rng.standard_normal((8, 3)).astype("float32"))
+        with tape_cls() as tape:
+            h = tf.reduce_mean(tf.gather(emb, ids), axis=1)
+            if mode == 1:
+                h = tf.tanh(h) * 1.5
+            elif mode == 2:
+                h = tf.nn.softplus(h) - 0.5
+            h = h * scale
+            with tape_cls() as inner:
+                inner.watch(h)
+                energy = tf.reduce_sum(tf.tanh(h) ** 2)
+            h = h + 0.1 * inner.gradient(energy, h)
+            loss = tf.reduce_mean(tf.square(h @ out - y))
+        grads = tape.gradient(loss, params)
+        for g, v in zip(grads, params):
+            v.assign_sub(0.05 * tf.convert_to_tensor(g))
+        losses.append(float(loss))
+        mode = (mode + 1) % 3
+        scale = 0.5 if float(loss) > 0.38 else 1.0
+    return {"losses": losses, "vars": params}
+
+
+def test_fallback_at_a_nested_gradient_differentiates_the_replayed_value():
+    assert_same_as_eager(nested_tape_after_a_cycling_branch, 14, rtol=1e-5,
+                         expect_fallbacks=(0, None), max_traces=10, min_coexecuted=1)
