@@ -136,8 +136,11 @@ def _keep(group, options: Options) -> None:
     line = f"  {' / '.join(k for k in key if k)}: seeds {[r.program.seed for r in results]}"
     if options.min_trials > 0:
         small = minimize(first, lambda p: run(p, options.timeout), options.min_trials)
-        path = out / f"{first.program.seed}.min.py"
-        path.write_text(render(small.program))
-        line += (f"; minimized seed {first.program.seed} to {small.program.features} "
-                 f"({small.program.steps} steps): {path}")
+        if small is None:
+            line += f"; seed {first.program.seed} did not fail the same way again"
+        else:
+            path = out / f"{first.program.seed}.min.py"
+            path.write_text(render(small.program))
+            line += (f"; minimized seed {first.program.seed} to {small.program.features} "
+                     f"({small.program.steps} steps): {path}")
     print(line, flush=True)

@@ -6,7 +6,8 @@ Failure-Inducing Input"), on the program's structure rather than its text: drop 
 snippets, then single statements, then simplify the base (no dropout/normalization, plain
 logging, no global enablement, manual SGD), then cut steps. A candidate that eager itself
 rejects (a dropped statement defined a name used later) is simply not a failure and is
-skipped. Every trial costs two processes, so the number of trials is bounded.
+skipped. The program is first run again: a failure that does not repeat (timing-dependent, or
+fixed since) is not minimized. Every trial costs two processes, so their number is bounded.
 """
 
 import dataclasses
@@ -17,8 +18,9 @@ from .runner import Result
 DEFAULT_TRIALS = 24
 
 
-def minimize(result: Result, run, trials: int = DEFAULT_TRIALS) -> Result:
-    """The smallest variant of ``result.program`` found within ``trials`` runs of ``run``."""
+def minimize(result: Result, run, trials: int = DEFAULT_TRIALS) -> Result | None:
+    """The smallest variant of ``result.program`` found within ``trials`` runs of ``run``, or
+    None if the program itself no longer fails the same way when run again."""
     best, left = result, trials
 
     def attempt(candidate: Program) -> bool:
@@ -32,6 +34,8 @@ def minimize(result: Result, run, trials: int = DEFAULT_TRIALS) -> Result:
             return True
         return False
 
+    if not attempt(result.program):  # flaky, or fixed meanwhile: nothing to minimize
+        return None
     changed = True
     while changed and left > 0:
         changed = False
