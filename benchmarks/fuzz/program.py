@@ -2,7 +2,7 @@
 
 ``generate`` draws one from its seed alone (``random.Random(seed)``), so a program is identified
 by its seed and the generation options, and ``python -m benchmarks.fuzz --seed S --count 1``
-draws program S again. ``render`` turns it into the source of a self-contained script: the
+draws program S again. ``render`` writes it out as the source of a self-contained script: the
 training program, then the harness from ``standalone.py``, so the file runs alone. The program
 is drawn as data, not text, so the minimizer can drop snippets and statements and render again.
 """

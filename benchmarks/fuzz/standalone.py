@@ -119,8 +119,7 @@ def judge(eager, terra):
     stats = terra.get("stats") or {}
     verdict["stats"] = stats
     verdict["coexecuted"] = stats.get("coexecuted", 0) * 2 >= max(stats.get("iterations", 0), 1)
-    events = EVENT.findall(terra.get("explain", ""))
-    verdict["reason"] = first_event(terra.get("explain", "")) if events else ""
+    verdict["reason"] = first_event(terra.get("explain", ""))
     if terra["status"] == "timeout":
         when = "after the program returned" if terra.get("written") else "during the run"
         return dict(verdict, kind="hang", detail=f"no exit {when}: {last_line(terra['stderr'])}")
