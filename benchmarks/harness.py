@@ -57,11 +57,18 @@ def measure(programs, modes, *, config, steps, warmup, repeats, seed, timeout, i
 
 
 def _run_subprocess(spec: dict, timeout: float) -> dict:
+    return run_worker("benchmarks.worker", spec, timeout, keras_env(spec["keras"]))
+
+
+def run_worker(module: str, spec: dict, timeout: float, extra_env: dict = ()) -> dict:
+    """``python -m module <spec as JSON>`` in a fresh process with the project importable;
+    its result is the line tagged ``RESULT_TAG``. A crash or a timeout becomes the result's
+    ``error`` (with the last lines of stderr)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    env.update(keras_env(spec["keras"]))
-    cmd = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)]
+    env.update(extra_env)
+    cmd = [sys.executable, "-m", module, json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=timeout)
@@ -70,7 +77,7 @@ def _run_subprocess(spec: dict, timeout: float) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])
-    tail = proc.stderr.strip().splitlines()[-3:]
+    tail = proc.stderr.strip().splitlines()[-5:]
     return dict(spec, error=f"worker crashed (exit code {proc.returncode})",
                 traceback="\n".join(tail))
 

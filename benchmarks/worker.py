@@ -123,17 +123,16 @@ def _short_message(e: Exception) -> str:
     return f"{message} ({where})" if where else message
 
 
-def main(argv: list[str]) -> int:
-    spec = json.loads(argv[0])
-    result = run_one(**spec)
+def serve(run) -> None:
+    """The worker process's body: ``run(**spec)`` on the JSON spec of ``argv[1]``, its result
+    printed after ``RESULT_TAG``. Exits at once: a runner thread left blocked by a failed run
+    must not keep the process (and its already printed result) alive until the timeout."""
+    result = run(**json.loads(sys.argv[1]))
     sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
     sys.stdout.flush()
-    return 0
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # Exit now: a runner thread left blocked by a failed run must not keep the process (and its
-    # already printed result) alive until the harness's timeout.
-    sys.stderr.flush()
-    os._exit(code)
+    serve(run_one)

@@ -14,23 +14,10 @@
 import pytest
 import tensorflow as tf
 from differential import assert_same_as_eager, record_stats
-from tiny_models import batch, classification_data, mlp_task, sparse_xent, state
+from tiny_models import batch, classification_data, mlp_loop, mlp_task, sparse_xent, state
 
 import terra
 from terra import graph_runner, python_runner, runtime, trace, tracegraph
-
-
-def mlp_loop(tape_cls, steps):
-    data, model, optimizer, loss_fn = mlp_task(steps)
-    losses = []
-    for step in range(steps):
-        x, y = batch(data, step, 16)
-        with tape_cls() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        losses.append(float(loss))
-    return {"losses": losses, **state(model, optimizer)}
 
 
 class Injected(Exception):

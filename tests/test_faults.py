@@ -28,7 +28,7 @@ import tensorflow as tf
 from differential import assert_same_as_eager, record_stats
 from tensorflow.errors import InvalidArgumentError
 from tensorflow.python import pywrap_tfe
-from tiny_models import batch, classification_data, mlp, mlp_task, sparse_xent, state
+from tiny_models import batch, classification_data, mlp, mlp_loop, mlp_task, sparse_xent, state
 
 import terra
 from terra import graph_runner
@@ -66,20 +66,6 @@ def slow_loop(tape_cls, steps, fault=None, progress=None):
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         progress["completed"] = step + 1
-    return {"losses": losses, **state(model, optimizer)}
-
-
-def mlp_loop(tape_cls, steps):
-    """The training loop run after a fault (and ``terra.reset()``): it must co-execute again."""
-    data, model, optimizer, loss_fn = mlp_task(steps)
-    losses = []
-    for step in range(steps):
-        x, y = batch(data, step, 16)
-        with tape_cls() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        losses.append(float(loss))
     return {"losses": losses, **state(model, optimizer)}
 
 

@@ -48,3 +48,17 @@ def state(model, *optimizers):
     for index, optimizer in enumerate(optimizers):
         result[f"optimizer{index}"] = list(optimizer.variables)
     return result
+
+
+def mlp_loop(tape_cls, steps):
+    """The plain training loop on ``mlp_task``: tape, gradient, optimizer, loss read back."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, **state(model, optimizer)}

@@ -9,17 +9,13 @@ its second half (where Terra should be co-executing).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 
 from benchmarks.corpus import REGISTRY
-from benchmarks.harness import ROOT, compare_losses
-from benchmarks.worker import RESULT_TAG
+from benchmarks.harness import compare_losses, run_worker
 
 RTOL, ATOL = 1e-4, 1e-6
 TIMEOUT = 900.0  # seconds per run; a hang under Terra is a finding, not a stuck corpus
@@ -39,20 +35,7 @@ def run_child(program: str, mode: str, steps: int, seed: int, scratch: str,
     spec = dict(program=program, mode=mode, steps=steps, seed=seed,
                 variables_path=os.path.join(scratch, f"{program}-{mode}.npz"),
                 deterministic=entry.deterministic)
-    env = dict(os.environ, **dict(entry.env))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    cmd = [sys.executable, "-m", "benchmarks.corpus.worker", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(spec, error=f"timeout after {timeout:.0f} s")
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-    return dict(spec, error=f"worker crashed (exit code {proc.returncode})", traceback=tail)
+    return run_worker("benchmarks.corpus.worker", spec, timeout, dict(entry.env))
 
 
 def compare(eager: dict, terra: dict, rtol: float = RTOL, atol: float = ATOL) -> Comparison:

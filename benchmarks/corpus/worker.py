@@ -12,14 +12,11 @@ a program set environment switches read at TensorFlow's import (``TF_USE_LEGACY_
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import random
-import sys
 import time
 import traceback
 
-from benchmarks.worker import RESULT_TAG
+from benchmarks.worker import serve
 
 EXPLAIN_LINES = 12  # of terra.explain() kept in the result
 
@@ -86,15 +83,5 @@ def _terra_report() -> dict:
                 explain="\n".join(explain.splitlines()[:EXPLAIN_LINES]))
 
 
-def main(argv: list[str]) -> int:
-    result = run(**json.loads(argv[0]))
-    sys.stdout.write(RESULT_TAG + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    return 0
-
-
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # a runner thread left blocked by a failed run must not keep the process alive
-    sys.stderr.flush()
-    os._exit(code)
+    serve(run)
