@@ -23,6 +23,11 @@ class Config:
     Attributes:
       disable: ``TerraGradientTape`` behaves exactly like ``tf.GradientTape`` (``TERRA_DISABLE``).
       xla: compile the pure-compute parts of the symbolic graph with XLA (``TERRA_XLA``).
+      exact: (``TERRA_EXACT``, on by default) the graph computes every value with eager's
+        rounding: Grappler's rewrites that regroup arithmetic or fuse ops into oneDNN kernels
+        are off, and so is oneDNN's merge of a bias gradient into its convolution's. Off,
+        the graph gets the rewrites ``tf.function`` gets, and its numbers may differ from
+        eager's in the last bits (which training can amplify).
       lazy: serialize the two runners: the graph of an iteration starts only when Python
         needs one of its values or the iteration ends (``TERRA_LAZY``; the paper's LazyEval).
       strict: Terra's own failures raise instead of turning into eager execution
@@ -62,6 +67,7 @@ class Config:
 
     disable: bool = False
     xla: bool = False
+    exact: bool = True
     lazy: bool = False
     check: bool = False
     strict: bool = False
@@ -79,6 +85,7 @@ class Config:
         return cls(
             disable=_env_flag("TERRA_DISABLE"),
             xla=_env_flag("TERRA_XLA"),
+            exact=_env_flag("TERRA_EXACT", default=True),
             lazy=_env_flag("TERRA_LAZY"),
             check=_env_flag("TERRA_CHECK"),
             strict=_env_flag("TERRA_STRICT"),

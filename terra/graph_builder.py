@@ -52,12 +52,14 @@ from tensorflow.python.framework import (
 from tensorflow.python.ops import (
     array_ops,
     control_flow_switch_case,
+    gen_array_ops,
     gen_resource_variable_ops,
     gradients_impl,
     math_ops,
     while_loop,
 )
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import _pywrap_util_port
 
 from terra import opdefs
 from terra.case_assignment import assign_cases
@@ -475,9 +477,11 @@ class _KeepUnrolled(Exception):
         self.key = key
 
 
-def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) -> SymbolicGraph:
+def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
+             unrolled=frozenset()) -> SymbolicGraph:
     """Build the symbolic graph for every path of the TraceGraph (its compute ops compiled
-    with XLA if ``xla``), its loops rolled into While ops (``terra.loops``). ``recorded``:
+    with XLA if ``xla``), its loops rolled into While ops (``terra.loops``). ``exact``: every
+    op rounds as its eager kernel does (see _EXACT_OFF and _keep_eager_rounding). ``recorded``:
     gradient regions emitted as their recorded backward ops even where ``_symbolic`` would
     take TF's symbolic gradient (it failed for them), by node id (the same in every rolled
     copy); ``unrolled``: loops left unrolled (by their first trip's nodes: their While
@@ -502,7 +506,7 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
         if node.id not in recorded and _symbolic(step, in_branch):
             symbolic.add(node)
         elif step.kind is NodeKind.GRAD and node.rolled:
-            return generate(original, xla, recorded, unrolled | {node.rolled})
+            return generate(original, xla, exact, recorded, unrolled | {node.rolled})
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     phi_of = {}  # (node, out) or ("s", node, input) -> the phi slots it updates
@@ -625,6 +629,8 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
                       for i, slot in enumerate(step.slots)]
             op = graph._create_op_internal(node.op_type, inputs,
                                            attrs=opdefs.attr_protos(node.op_type, node.attrs))
+            if exact:
+                _keep_eager_rounding(graph, n_ops)
             if xla and not step.check_shapes and not looping[0]:  # a new shape would
                 for_xla(graph, n_ops)  # recompile its cluster; a While is not clustered
             if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
@@ -682,6 +688,8 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
                     unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
             except (LookupError, ValueError, TypeError) as e:  # e.g. an op with no gradient
                 raise _NotSymbolic(node) from e
+            if exact:
+                _keep_eager_rounding(graph, n_ops)
             if xla and not any(steps[p].check_shapes for _, p, _ in node.cone.values()):
                 for_xla(graph, n_ops)
             for result, g in zip(node.results, grads, strict=True):
@@ -798,10 +806,10 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
         function = function.get_concrete_function()
     except _NotSymbolic as e:
         if e.node.rolled:
-            return generate(original, xla, recorded, unrolled | {e.node.rolled})
-        return generate(original, xla, recorded | {e.node.id}, unrolled)
+            return generate(original, xla, exact, recorded, unrolled | {e.node.rolled})
+        return generate(original, xla, exact, recorded | {e.node.id}, unrolled)
     except _KeepUnrolled as e:
-        return generate(original, xla, recorded, unrolled | {e.key})
+        return generate(original, xla, exact, recorded, unrolled | {e.key})
     fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}
     for node in _downstream(tracegraph, fetched_shapes):
         steps[node].check_shapes = True
@@ -812,6 +820,8 @@ def generate(tracegraph, xla=False, recorded=frozenset(), unrolled=frozenset()) 
     off = ["constant_folding"] if varying or fetched_shapes else []
     if xla:
         off += ["arithmetic_optimization", "remapping"]
+    if exact:
+        off = sorted(set(off) | _EXACT_OFF)
     return SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
                          list(written.values()), rewriters_off=off, loops=list(loops))
 
@@ -830,6 +840,34 @@ def _downstream(tracegraph, sources):
                 reached.add(node)
         if len(reached) == before:
             return reached - set(sources)
+
+
+_ONEDNN = _pywrap_util_port.IsMklEnabled()
+
+# Grappler's rewrites that change how a value is rounded, off for an exact graph: constant
+# folding turns ``x / c`` into ``x * (1 / c)`` (a hard-swish's ``/ 6`` drifted MobileNetV3 off
+# eager), the arithmetic optimizer regroups sums and products and rewrites ``log(1 + x)`` as
+# ``log1p(x)``, and the remapper fuses patterns into oneDNN kernels (layer norm, GELU,
+# batch norm + activation) that compute them in another order.
+_EXACT_OFF = frozenset({"constant_folding", "arithmetic_optimization", "remapping"})
+
+
+def _keep_eager_rounding(graph, n_ops):
+    """Keep oneDNN's graph rewrite from merging what eager runs apart, for the ops created
+    since ``n_ops``.
+
+    With oneDNN on (TF's CPU default), the layout pass that runs on every function graph
+    merges a ``BiasAddGrad`` with the ``Conv2DBackpropFilter`` reading the same gradient into
+    one kernel, which sums the bias gradient in another order than eager's ``BiasAddGrad``:
+    a few ulps apart on strided convolutions, which momentum then grows (a Sonnet ConvNet
+    ended 1e-4 off eager after 40 steps). The pass merges only when both read the same
+    tensor, so the bias gradient reads a ``Snapshot`` of it (a copy Grappler keeps; an
+    ``Identity`` it would remove)."""
+    if not _ONEDNN:
+        return
+    for op in graph.get_operations()[n_ops:]:
+        if op.type == "BiasAddGrad":
+            op._update_input(0, gen_array_ops.snapshot(op.inputs[0]))
 
 
 def _draws_random(op):

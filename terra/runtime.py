@@ -420,7 +420,7 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             with interception.paused():
-                self.graph = generate(self.tracegraph, xla=config.xla)
+                self.graph = generate(self.tracegraph, xla=config.xla, exact=config.exact)
         except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
             self._give_up(f"graph generation failed: {type(e).__name__}: {e}")
             return
