@@ -16,7 +16,7 @@ import contextlib
 import threading
 
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import execute, record
+from tensorflow.python.eager import context, execute, record
 
 ORIGINAL_FAST = pywrap_tfe.TFE_Py_FastPathExecute
 ORIGINAL_SLOW = execute.execute_with_callbacks
@@ -45,9 +45,11 @@ def _record(op_type, output_tensors, input_tensors, backward_function,
             forward_function=None):
     """``tf.custom_gradient`` (and ``recompute_grad``) put their own backward function on the
     tapes for tensors ops already produced: the handler hears of it (the graph's own gradient
-    of those ops is then not the tape's)."""
+    of those ops is then not the tape's). A record made while a graph is being built (a
+    ``FuncGraph`` capturing an eager tensor: tf_keras infers a model's output signature so at
+    every new input shape) concerns that graph's tensors, not the iteration's."""
     h = _handler
-    if h is not None and _get_ident() == _owner:
+    if h is not None and _get_ident() == _owner and context.executing_eagerly():
         h.custom_gradient(op_type, output_tensors, input_tensors, backward_function)
     return ORIGINAL_RECORD(op_type, output_tensors, input_tensors, backward_function,
                            forward_function)
