@@ -23,18 +23,22 @@ def trace(middle_line, middle_op, rows=4, value=1.0):
     return recs
 
 
-def graph_of(*traces, xla=False):
+def graph_of(*traces, xla=False, exact=True):
     g = TraceGraph()
     for t in traces:
         g.merge(t)
-    return g, generate(g, xla=xla)
+    return g, generate(g, xla=xla, exact=exact)
 
 
-def constant_folding(graph):
+def rewriter(graph, name):
     attrs = dict(zip(graph.call_attrs[::2], graph.call_attrs[1::2]))
     config = config_pb2.ConfigProto()
     config.ParseFromString(attrs["config_proto"])
-    return config.graph_options.rewrite_options.constant_folding
+    return getattr(config.graph_options.rewrite_options, name)
+
+
+def constant_folding(graph):
+    return rewriter(graph, "constant_folding")
 
 
 def feed_and_fetch(g, graph):
@@ -59,15 +63,21 @@ def test_an_if_else_that_joins_is_one_switch_case_with_a_phi_after_it():
     assert [[k for _, k in puts] for puts in neg.puts] == [[0], [1]]
 
 
-def test_constant_folding_stays_on_where_shapes_never_vary():
+def test_an_exact_graph_has_the_rewrites_that_round_otherwise_off():
     _, graph = graph_of(trace(5, "Abs"), trace(5, "Abs"))
+    for name in ("constant_folding", "arithmetic_optimization", "remapping"):
+        assert rewriter(graph, name) == rewriter_config_pb2.RewriterConfig.OFF, name
+
+
+def test_constant_folding_stays_on_where_shapes_never_vary_unless_exact():
+    _, graph = graph_of(trace(5, "Abs"), trace(5, "Abs"), exact=False)
     assert constant_folding(graph) != rewriter_config_pb2.RewriterConfig.OFF
 
 
 def test_constant_folding_is_off_where_a_fed_shape_varies():
     """Grappler would unify a tensor shared by branches with one branch's shapes and fold
     ``tf.shape`` of it to a constant (a stale feature-map size, found on FasterRCNN)."""
-    g, graph = graph_of(trace(5, "Abs", rows=4), trace(5, "Abs", rows=6))
+    g, graph = graph_of(trace(5, "Abs", rows=4), trace(5, "Abs", rows=6), exact=False)
     assert "feed[float32 ?x3]" in str(g), str(g)
     assert constant_folding(graph) == rewriter_config_pb2.RewriterConfig.OFF
     assert all(step.check_shapes for step in graph.steps.values()), "shapes are looked up"
