@@ -630,7 +630,7 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
             op = graph._create_op_internal(node.op_type, inputs,
                                            attrs=opdefs.attr_protos(node.op_type, node.attrs))
             if exact:
-                _keep_eager_rounding(graph, n_ops)
+                _keep_eager_rounding([op])
             if xla and not step.check_shapes and not looping[0]:  # a new shape would
                 for_xla(graph, n_ops)  # recompile its cluster; a While is not clustered
             if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
@@ -689,7 +689,7 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
             except (LookupError, ValueError, TypeError) as e:  # e.g. an op with no gradient
                 raise _NotSymbolic(node) from e
             if exact:
-                _keep_eager_rounding(graph, n_ops)
+                _keep_eager_rounding(graph.get_operations()[n_ops:])
             if xla and not any(steps[p].check_shapes for _, p, _ in node.cone.values()):
                 for_xla(graph, n_ops)
             for result, g in zip(node.results, grads, strict=True):
@@ -852,9 +852,9 @@ _ONEDNN = _pywrap_util_port.IsMklEnabled()
 _EXACT_OFF = frozenset({"constant_folding", "arithmetic_optimization", "remapping"})
 
 
-def _keep_eager_rounding(graph, n_ops):
-    """Keep oneDNN's graph rewrite from merging what eager runs apart, for the ops created
-    since ``n_ops``.
+def _keep_eager_rounding(created):
+    """Keep oneDNN's graph rewrite from merging what eager runs apart, in the ``created``
+    graph ops.
 
     With oneDNN on (TF's CPU default), the layout pass that runs on every function graph
     merges a ``BiasAddGrad`` with the ``Conv2DBackpropFilter`` reading the same gradient into
@@ -865,7 +865,7 @@ def _keep_eager_rounding(graph, n_ops):
     ``Identity`` it would remove)."""
     if not _ONEDNN:
         return
-    for op in graph.get_operations()[n_ops:]:
+    for op in created:
         if op.type == "BiasAddGrad":
             op._update_input(0, gen_array_ops.snapshot(op.inputs[0]))
 
