@@ -55,7 +55,8 @@ class Ledger:
 
     def iteration(self, kind: str, seconds: float, site: str | None = None):
         """Book one finished iteration: ``eager`` (warm-up or given up), ``traced``,
-        ``coexecuted`` or ``fell back`` (at ``site``)."""
+        ``instantiating`` (eager while TF instantiates the graph in the background: what it
+        took over eager is the contention), ``coexecuted`` or ``fell back`` (at ``site``)."""
         self.iterations += 1
         if site is not None:
             ref = self.reference() or 0.0

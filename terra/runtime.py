@@ -2,9 +2,12 @@
 
 An iteration starts when an outermost Terra tape is entered and ends when the next one is.
 Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first step),
-``tracing`` (eager + Recorder until a trace adds nothing to the TraceGraph), ``coexecution``
-(PythonRunner + GraphRunner), and ``eager`` when the TraceGraph cannot be co-executed
-(``explain()`` says why). A fallback returns from co-execution to tracing mid-iteration.
+``tracing`` (eager + Recorder until a trace adds nothing to the TraceGraph), ``instantiating``
+(eager while TF instantiates the new graph in the background, ``terra.background``),
+``coexecution``
+(PythonRunner + GraphRunner), ``waiting`` (eager until the cost budget affords building the
+graph again) and ``eager`` when the TraceGraph cannot be co-executed (``explain()`` says why).
+A fallback returns from co-execution to tracing mid-iteration.
 """
 
 import dataclasses
@@ -20,7 +23,7 @@ from tensorflow.python.framework import errors, ops
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
-from terra import budget, interception, materialize, opdefs
+from terra import background, budget, interception, materialize, opdefs
 from terra import fallback as fallback_lib
 from terra.config import config
 from terra.graph_builder import generate
@@ -41,6 +44,7 @@ from terra.tracegraph import NodeKind, TraceGraph
 log = logging.getLogger("terra")
 _WARN = ("fallback", "eager", "Terra error", "graph error")  # events worth a warning
 
+_EAGER_PHASES = ("warmup", "eager", "waiting")  # iterations that ran plainly: eager's time
 _EagerTensor = ops.EagerTensor
 _Variable = resource_variable_ops.BaseResourceVariable
 
@@ -194,6 +198,7 @@ class Runtime:
         self.ledger = budget.Ledger(budget=config.budget)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
         self._generation_time = 0.0  # of the iteration that is ending
+        self._pending = None  # a background.Instantiation under way
         self.ctx = context.context()
         self.owner = threading.get_ident()
         self._graph_runner = None
@@ -286,7 +291,8 @@ class Runtime:
         now = time.perf_counter()
         if self._began is not None:
             phase, began, fell = self._began
-            kind = ("fell back" if fell else "eager" if phase in ("warmup", "eager", "waiting") else
+            kind = ("fell back" if fell else "eager" if phase in _EAGER_PHASES else
+                    "instantiating" if phase == "instantiating" else
                     "traced" if phase == "tracing" else "coexecuted")
             self.ledger.iteration(kind, now - began - self._generation_time,
                                   site=fell if fell else None)
@@ -304,6 +310,8 @@ class Runtime:
         if self.phase == "warmup" and s.iterations > config.warmup or \
                 self.phase == "waiting" and self.ledger.affordable():
             self.phase = "tracing"
+        if self.phase == "instantiating" and self._pending.done():
+            self._take_instantiated()
         if self.phase == "tracing":
             self._start_recording()
         elif self.phase == "coexecution":
@@ -314,7 +322,7 @@ class Runtime:
                 self.graph_runner.submit(job)
             self.runner.begin(it)
             interception.set_handler(self.coexec_door)
-        elif self.phase in ("eager", "waiting"):
+        elif self.phase in ("eager", "waiting", "instantiating"):
             # plain eager speed: the door only swaps stand-ins for values, and none is alive
             interception.set_handler(self.tracing_door if _tensors else None)
         self._began = (self.phase, began, False)
@@ -364,6 +372,8 @@ class Runtime:
             interception.set_handler(self.tracing_door)
 
     def _start_recording(self):
+        if config.freeze_gc:  # a trace allocates enough to set off a full collection
+            gc.freeze()
         self.recorder = Recorder(_tensors, _original_numpy, self.sites)
         self.recorder.aborted = False
         self.ctx.add_op_callback(self.recorder.callback)
@@ -420,7 +430,7 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             with interception.paused():
-                self.graph = generate(self.tracegraph, xla=config.xla, exact=config.exact)
+                graph = generate(self.tracegraph, xla=config.xla, exact=config.exact)
         except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
             self._give_up(f"graph generation failed: {type(e).__name__}: {e}")
             return
@@ -428,6 +438,29 @@ class Runtime:
             took = time.perf_counter() - t0
             self._generation_time += took
             self.ledger.generation(took)
+        if config.background:  # eager iterations until TF has instantiated it
+            self._pending = background.Instantiation(graph, self.stats.iterations)
+            self.phase = "instantiating"
+        else:
+            self._install(graph)
+
+    def _take_instantiated(self):
+        """The background instantiation is over: co-execute from this iteration on (if it
+        failed, the first call fails the same way, which the GraphRunner handles)."""
+        pending, self._pending = self._pending, None
+        try:
+            pending.result()
+        except Exception as e:  # noqa: BLE001 - noted; the graph's first call will tell
+            if config.strict:
+                raise
+            self._note("Terra error (instantiating the graph)", f"{type(e).__name__}: {e}")
+        self._note("graph instantiated", f"in the background in {pending.seconds:.2f}s, "
+                   f"while iterations {pending.iteration + 1}-{self.stats.iterations - 1} ran "
+                   "eagerly")
+        self._install(pending.graph)
+
+    def _install(self, graph):
+        self.graph = graph
         self.stats.graph_generations += 1
         self.graph_runner  # noqa: B018 - starts the GraphRunner and watchdog threads
         if self.runner is not None:  # stall time of earlier graphs
@@ -436,9 +469,8 @@ class Runtime:
                                    config.timeout, self.fall_back, self.graph_runner.submit,
                                    self.sites)
         self.phase = "coexecution"
-        if config.freeze_gc:  # what generation left behind is collected now, not mid-run
-            gc.unfreeze()
-            gc.collect()
+        if config.freeze_gc:  # what tracing and generation left behind is not walked again
+            gc.collect(1)
             gc.freeze()
 
     def _note(self, what, reason, where=None):
@@ -624,6 +656,8 @@ class Runtime:
 
     def shutdown(self):
         """Finish pending graph work so variables hold their final values."""
+        if self._pending is not None:  # its graph is not used; its thread is not left running
+            self._pending.wait(config.timeout)
         if self.phase == "coexecution" and self.runner.it is not None:
             if not self.runner.at_end():
                 self.leave(Mismatch("terra.reset() in the middle of an iteration", "early end"))

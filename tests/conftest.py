@@ -7,6 +7,10 @@ from pathlib import Path
 # The suite checks numbers, not speed: tiny models are fast eagerly, and the cost budget
 # (terra.budget) would end co-execution in tests that need it. Budget tests set it themselves.
 os.environ.setdefault("TERRA_BUDGET", "inf")
+# Tests that inject a fault into, or change the path of, a given step need that step to be
+# co-executed: with the graph instantiated in the background, co-execution starts at an
+# iteration that depends on timing. The background mode (the default) has its own tests.
+os.environ.setdefault("TERRA_BACKGROUND", "0")
 
 _TESTS = Path(__file__).resolve().parent
 for _path in (str(_TESTS.parent), str(_TESTS)):

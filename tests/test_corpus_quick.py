@@ -17,9 +17,10 @@ QUICK = [name for name, entry in REGISTRY.items() if entry.quick]
 
 
 @pytest.mark.parametrize("program", QUICK)
-def test_terra_equals_eager(program, tmp_path):
+def test_terra_equals_eager(program, tmp_path, monkeypatch):
     for module in REGISTRY[program].requires:
         pytest.importorskip(module)
+    monkeypatch.setenv("TERRA_BACKGROUND", "1")  # as a user runs it (the suite turns it off)
     eager = run_child(program, "eager", STEPS, 0, str(tmp_path))
     terra = run_child(program, "terra", STEPS, 0, str(tmp_path))
     comparison = compare(eager, terra)
