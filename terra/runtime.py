@@ -4,10 +4,9 @@ An iteration starts when an outermost Terra tape is entered and ends when the ne
 Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first step),
 ``tracing`` (eager + Recorder until a trace adds nothing to the TraceGraph), ``instantiating``
 (eager while TF instantiates the new graph in the background, ``terra.background``),
-``coexecution``
-(PythonRunner + GraphRunner), ``waiting`` (eager until the cost budget affords building the
-graph again) and ``eager`` when the TraceGraph cannot be co-executed (``explain()`` says why).
-A fallback returns from co-execution to tracing mid-iteration.
+``coexecution`` (PythonRunner + GraphRunner), ``waiting`` (eager until the cost budget affords
+building the graph again) and ``eager`` when the TraceGraph cannot be co-executed
+(``explain()`` says why). A fallback returns from co-execution to tracing mid-iteration.
 """
 
 import dataclasses
@@ -454,9 +453,10 @@ class Runtime:
             if config.strict:
                 raise
             self._note("Terra error (instantiating the graph)", f"{type(e).__name__}: {e}")
+        first, last = pending.iteration + 1, self.stats.iterations - 1
         self._note("graph instantiated", f"in the background in {pending.seconds:.2f}s, "
-                   f"while iterations {pending.iteration + 1}-{self.stats.iterations - 1} ran "
-                   "eagerly")
+                   + (f"while iterations {first}-{last} ran eagerly" if last >= first else
+                      "before the next iteration began"))
         self._install(pending.graph)
 
     def _install(self, graph):

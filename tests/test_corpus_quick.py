@@ -53,3 +53,27 @@ def test_comparison_sees_different_numbers(tmp_path):
     failed = compare(*_runs(tmp_path, weights, weights, losses, losses)[:1],
                      dict(mode="terra", error="RuntimeError during training: boom"))
     assert not failed.match and "boom" in failed.detail
+
+
+def test_a_row_is_the_median_of_paired_runs_and_every_pair_must_match(monkeypatch, tmp_path):
+    """Three pairs, the order of the modes alternating; the ratio is the median of the ratios
+    taken within each pair (not a ratio of medians), and one mismatching pair fails the row."""
+    from benchmarks.corpus import driver
+
+    eager_s, terra_s = iter([2.0, 1.0, 4.0]), iter([1.0, 2.0, 1.0])  # ratios 2, 0.5, 4
+    order = []
+
+    def fake_run_child(program, mode, steps, seed, scratch, timeout):
+        order.append(mode)
+        total = next(eager_s if mode == "eager" else terra_s)
+        return dict(mode=mode, steps=steps, total_s=total, second_half_s=total / 2,
+                    second_half_steps=steps // 2, losses=[1.0], stats={"traces": 2})
+
+    verdicts = iter([True, False, True])
+    monkeypatch.setattr(driver, "run_child", fake_run_child)
+    monkeypatch.setattr(driver, "compare",
+                        lambda eager, terra: driver.Comparison(next(verdicts), "detail"))
+    row = driver.run_program("sonnet_mlp", 10, repeats=3)
+    assert order == ["eager", "terra", "terra", "eager", "eager", "terra"]
+    assert row["ratio"] == 2.0 and row["eager_sps"] == 5.0
+    assert not row["match"]

@@ -1,4 +1,5 @@
-"""``python -m benchmarks.corpus [--quick] [--programs a,b] [--steps N]``: the corpus table.
+"""``python -m benchmarks.corpus [--quick] [--programs a,b] [--steps N] [--repeats R]``: the
+corpus table.
 
 Progress goes to stderr, the markdown table to stdout. The exit code is 1 if any program's Terra
 run differs from its eager run (or either failed), so a script can rely on it.
@@ -24,6 +25,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, help=f"steps per run (default {DEFAULT_STEPS}, "
                                                   f"{QUICK_STEPS} with --quick)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="paired eager/Terra runs per program; speeds are their medians "
+                             "(default 3)")
     args = parser.parse_args(argv)
     names = (args.programs.split(",") if args.programs else
              [n for n, e in REGISTRY.items() if e.quick or not args.quick])
@@ -38,8 +42,9 @@ def main(argv: list[str]) -> int:
             print(f"{name}: skipped, not installed: {', '.join(lacking)}", file=sys.stderr)
             continue
         start = time.perf_counter()
-        print(f"{name}: {steps} steps eager, then under Terra ...", file=sys.stderr, flush=True)
-        row = run_program(name, steps, args.seed)
+        print(f"{name}: {steps} steps eager and under Terra, {args.repeats} pair(s) ...",
+              file=sys.stderr, flush=True)
+        row = run_program(name, steps, args.seed, repeats=args.repeats)
         print(f"    {'match' if row['match'] else 'MISMATCH: ' + row['detail']}, "
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         rows.append(row)

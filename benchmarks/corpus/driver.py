@@ -3,7 +3,7 @@
 The comparison is the project's promise: the same per-step losses and, after the last step, the
 same value of every variable (model and optimizer state), within ``RTOL``/``ATOL``. Speed is
 reported next to it: steps/s over the whole run (tracing and graph generation included) and over
-its second half (where Terra should be co-executing).
+its second half (where Terra should be co-executing), medians over paired repeats.
 """
 
 from __future__ import annotations
@@ -64,23 +64,46 @@ def compare_variables(eager_path: str, terra_path: str, rtol: float, atol: float
         return Comparison(True, f"{len(eager.files)} variables equal")
 
 
-def run_program(program: str, steps: int, seed: int = 0, timeout: float = TIMEOUT) -> dict:
-    """Both runs of ``program`` and their comparison, as one table row."""
+def run_program(program: str, steps: int, seed: int = 0, timeout: float = TIMEOUT,
+                repeats: int = 1) -> dict:
+    """``repeats`` pairs of runs of ``program`` (eager and Terra, the order alternating from
+    pair to pair so that drifting machine load hits both alike) and their comparisons, as one
+    table row: speeds and ratios are medians over the pairs (each ratio taken within its
+    pair), and every pair must match."""
+    pairs = []
     with tempfile.TemporaryDirectory() as scratch:
-        eager = run_child(program, "eager", steps, seed, scratch, timeout)
-        terra = run_child(program, "terra", steps, seed, scratch, timeout)
-        comparison = compare(eager, terra)
+        for repeat in range(repeats):
+            order = ("eager", "terra") if repeat % 2 == 0 else ("terra", "eager")
+            runs = {mode: run_child(program, mode, steps, seed, scratch, timeout)
+                    for mode in order}
+            pairs.append((runs, compare(runs["eager"], runs["terra"])))
+    failed = [comparison for _, comparison in pairs if not comparison.match]
+    last = pairs[-1][0]["terra"]
     row = dict(program=program, library=REGISTRY[program].library, steps=steps,
-               match=comparison.match, detail=comparison.detail,
-               stats=terra.get("stats"), explain=terra.get("explain", ""))
-    for mode, run in (("eager", eager), ("terra", terra)):
-        row[f"{mode}_sps"] = steps / run["total_s"] if "total_s" in run else None
-        half = run.get("second_half_s")
-        row[f"{mode}_half_sps"] = run["second_half_steps"] / half if half else None
-        row[f"{mode}_traceback"] = run.get("traceback")
-    row["ratio"] = _ratio(row["terra_sps"], row["eager_sps"])
-    row["half_ratio"] = _ratio(row["terra_half_sps"], row["eager_half_sps"])
+               repeats=repeats, match=not failed, detail=(failed or [pairs[-1][1]])[0].detail,
+               stats=last.get("stats"), explain=last.get("explain", ""))
+    for mode in ("eager", "terra"):
+        row[f"{mode}_sps"] = _median([_speed(runs[mode])[0] for runs, _ in pairs])
+        row[f"{mode}_half_sps"] = _median([_speed(runs[mode])[1] for runs, _ in pairs])
+        row[f"{mode}_traceback"] = next((runs[mode]["traceback"] for runs, _ in pairs
+                                         if runs[mode].get("traceback")), None)
+    row["ratio"] = _median([_ratio(_speed(runs["terra"])[0], _speed(runs["eager"])[0])
+                            for runs, _ in pairs])
+    row["half_ratio"] = _median([_ratio(_speed(runs["terra"])[1], _speed(runs["eager"])[1])
+                                 for runs, _ in pairs])
     return row
+
+
+def _speed(run: dict):
+    """Steps/s over the whole run and over its second half (None where it failed)."""
+    whole = run["steps"] / run["total_s"] if "total_s" in run else None
+    half = run.get("second_half_s")
+    return whole, run["second_half_steps"] / half if half else None
+
+
+def _median(values):
+    known = [v for v in values if v is not None]
+    return float(np.median(known)) if known and len(known) == len(values) else None
 
 
 def _ratio(mine, base):
