@@ -13,6 +13,7 @@ from tensorflow.python.eager import context, execute, record
 from tensorflow.python.framework import constant_op, dtypes, errors
 from tensorflow.python.util import nest
 
+from terra import functions, opdefs
 from terra.tracegraph import NodeKind
 
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
@@ -121,8 +122,9 @@ def _replay(log, recorder, tapes, customs):
                 except errors.OpError as e:  # the graph failed here: eager fails the same way
                     recorder.aborted = True
                     raise _at_user_line(e, node.location) from None
-                if not stopped and execute.must_record_gradient():
-                    execute.record_gradient(node.op_type, args, attrs, results)
+                if not stopped and execute.must_record_gradient() and \
+                        opdefs.info(node.op_type).op_def is not None:  # a function's is
+                    execute.record_gradient(node.op_type, args, attrs, results)  # a custom
                 for entry, r in zip(outs, results):
                     entry.value = r
         finally:
@@ -133,9 +135,13 @@ def _replay(log, recorder, tapes, customs):
 
 def _replay_custom(op_type, outputs, inputs, backward):
     """Put a custom gradient back on the tapes, over the replayed outputs it was recorded for
-    (eager recorded it right after the ops that produced them)."""
-    record.record_operation(op_type, [_real(x) for x in outputs], [_real(x) for x in inputs],
-                            backward)
+    (eager recorded it right after the ops that produced them). A ``tf.function``'s forward
+    call that co-execution matched with its inference twin is recorded as TF records it."""
+    outputs, inputs = [_real(x) for x in outputs], [_real(x) for x in inputs]
+    if isinstance(backward, functions.TapeRecord):
+        backward.record(outputs, inputs)
+    else:
+        record.record_operation(op_type, outputs, inputs, backward)
 
 
 def _real(x):

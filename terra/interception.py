@@ -18,6 +18,8 @@ import threading
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, execute, record
 
+from terra import functions
+
 ORIGINAL_FAST = pywrap_tfe.TFE_Py_FastPathExecute
 ORIGINAL_SLOW = execute.execute_with_callbacks
 ORIGINAL_RECORD = record.record_operation
@@ -50,7 +52,10 @@ def _record(op_type, output_tensors, input_tensors, backward_function,
     every new input shape) concerns that graph's tensors, not the iteration's."""
     h = _handler
     if h is not None and _get_ident() == _owner and context.executing_eagerly():
-        h.custom_gradient(op_type, output_tensors, input_tensors, backward_function)
+        functions.note_record(op_type)
+        swapped = h.custom_gradient(op_type, output_tensors, input_tensors, backward_function)
+        if swapped is not None:
+            output_tensors, input_tensors = swapped
     return ORIGINAL_RECORD(op_type, output_tensors, input_tensors, backward_function,
                            forward_function)
 
@@ -59,6 +64,7 @@ def install():
     pywrap_tfe.TFE_Py_FastPathExecute = _fast
     execute.execute = _slow
     record.record_operation = _record
+    functions.install()
 
 
 def uninstall():
@@ -67,6 +73,7 @@ def uninstall():
     pywrap_tfe.TFE_Py_FastPathExecute = ORIGINAL_FAST
     execute.execute = execute.quick_execute
     record.record_operation = ORIGINAL_RECORD
+    functions.uninstall()
 
 
 def set_handler(handler):

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.eager import context
 from tensorflow.python.framework import (
     constant_op,
     dtypes,
@@ -58,7 +59,7 @@ class OpInfo:
             self.list_inputs = ()
             self.has_list = False
             self.attr_types = {}
-            self.in_graph = False
+            self.in_graph = is_function(name) and _function_in_graph(name)
             return
         args = op_def.input_arg
         self.n_inputs = len(args)
@@ -67,6 +68,47 @@ class OpInfo:
         self.attr_types = {a.name: a.type for a in op_def.attr}
         self.in_graph = (not op_def.is_stateful or name in _VARIABLE_OPS
                          or name.startswith(_VARIABLE_PREFIXES) or name in _PURE_STATEFUL_OPS)
+
+
+# Ops whose statefulness is that of the functions they call (checked through their
+# function-valued attrs): calls and functional control flow.
+_CALLING_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "StatelessIf",
+                          "While", "StatelessWhile", "Case", "StatelessCase"})
+
+
+def is_function(op_type: str) -> bool:
+    """Whether ``op_type`` names a function of the eager context's library (a ``tf.function``
+    called eagerly runs as an op of that name: ``terra.functions``)."""
+    return op_def_registry.get(op_type) is None and context.context().has_function(op_type)
+
+
+def _function_in_graph(name: str, seen=None) -> bool:
+    """Whether every op the library function ``name`` runs (through nested calls and
+    control-flow branches) may run in the symbolic graph, as ``OpInfo.in_graph`` says of
+    an op. A stateful random op inside keeps the call in Python, like the op alone."""
+    seen = set() if seen is None else seen
+    if name in seen:
+        return True
+    seen.add(name)
+    ctx = context.context()
+    if not ctx.has_function(name):
+        return False
+    fdef = ctx.get_function_def(name)
+    forward = fdef.attr.get("forward_function_name")  # a backward function runs in the
+    if forward is not None and not _function_in_graph(forward.s.decode(), seen):  # graph
+        return False  # only with its forward function: its gradient region is skipped
+    for node in fdef.node_def:
+        called = [a.func.name for a in node.attr.values() if a.HasField("func")]
+        called += [f.name for a in node.attr.values() if a.HasField("list")
+                   for f in a.list.func]
+        if not all(_function_in_graph(f, seen) for f in called):
+            return False
+        if op_def_registry.get(node.op) is None:
+            if not _function_in_graph(node.op, seen):
+                return False
+        elif node.op not in _CALLING_OPS and not info(node.op).in_graph:
+            return False
+    return True
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from tensorflow.python.framework import constant_op, dtypes, errors, ops
 from tensorflow.python.ops import gen_optional_ops, resource_variable_ops
 from tensorflow.python.util import nest
 
-from terra import interception, opdefs
+from terra import functions, interception, opdefs
 from terra.graph_builder import Step
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
@@ -223,14 +223,24 @@ class PythonRunner:
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         op_type = opdefs.op_name(op_type)
-        step = self._expect(_OP, op_type, lambda s: self._fits(s, attrs, inputs, False))
+        twin = functions.forward_of(op_type)  # a tf.function's call when no tape records
+        step = self._expect(_OP, op_type, lambda s: self._fits(s, attrs, inputs, False), twin)
         if attrs != step.slow_attrs:
             self._check_attrs(step, op_type, attrs, cache=False)
         if step.python:
             real = [self._real(a) for a in inputs]
             return self._run_python(step, real,
                                     ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name))
-        return self._run(step, inputs)
+        outs = self._run(step, inputs)
+        if step.op_type == op_type:
+            return outs
+        # the traced forward call, reached by its inference twin: Python gets the outputs,
+        # the graph keeps the intermediates for the backward call; a replay must put the
+        # backward function on the tapes as the forward call under a tape did
+        it = self.it
+        it.customs.append((len(it.log), step.op_type, self._entries_of(list(outs)),
+                           self._entries_of(list(inputs)), functions.tape_record(step.op_type)))
+        return outs[:num_outputs]
 
     # -- tape events --------------------------------------------------------------------
     def mark(self, what, attrs, tensors, extra):
@@ -348,23 +358,27 @@ class PythonRunner:
             raise
 
     # -- validation ---------------------------------------------------------------------
-    def _expect(self, kind, op_type, fits):
+    def _expect(self, kind, op_type, fits, twin=None):
         """The step the next event must match. At a branch point, the successor it fits
         (``fits(step)`` tells candidates of the same type apart); the choice is sent to the
-        graph as the Case Select of the switch-case that follows."""
+        graph as the Case Select of the switch-case that follows. ``twin``: another op type
+        the step may have if the graph runs it (a ``tf.function``'s forward call, for its
+        inference call: run in Python, the inference call would not be the forward one)."""
         cur = self.cur
         nxt = cur.next
         if len(nxt) == 1:
             step = nxt[0]
             if step is None:
                 raise PathEnded(f"{op_type} after the end of the recorded iteration")
-            if step.op_type != op_type or step.kind is not kind:
+            if step.kind is not kind or step.op_type != op_type and (
+                    step.op_type != twin or step.python):
                 raise Mismatch(f"expected {step.op_type}, got {op_type}")
             if cur.puts is not None:
                 self._take(cur, 0)
             return step
         found = [(i, s) for i, s in enumerate(nxt)
-                 if s is not None and s.kind is kind and s.op_type == op_type]
+                 if s is not None and s.kind is kind and (
+                     s.op_type == op_type or s.op_type == twin and not s.python)]
         if len(found) > 1:
             found = [(i, s) for i, s in found if fits(s)] or found[:1]
         if len(found) > 1:

@@ -22,7 +22,7 @@ from tensorflow.python.framework import errors, ops
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
-from terra import background, budget, interception, materialize, opdefs
+from terra import background, budget, functions, interception, materialize, opdefs
 from terra import fallback as fallback_lib
 from terra.config import config
 from terra.graph_builder import generate
@@ -105,9 +105,17 @@ class TracingDoor:
                 recorder.forget(start)
             raise
 
-    def custom_gradient(self, *record):
+    def custom_gradient(self, op_type, outputs, inputs, backward):
+        """Count it for the trace; and if stand-ins are alive, record their values instead:
+        a custom gradient that a fallback interrupted (``tf.custom_gradient`` took its
+        arguments as stand-ins, then the iteration went on eagerly) would otherwise sit on
+        the tape over tensors no recorded op produced, and the gradient would bypass it."""
         if self.runtime.recorder is not None:
             self.runtime.recorder.custom_gradients += 1
+        if _tensors:
+            return ([self._arg(t) if type(t) is _EagerTensor else t for t in outputs],
+                    [self._arg(t) if type(t) is _EagerTensor else t for t in inputs])
+        return None
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         # The generated op wrapper records the gradient after this returns, with the very
@@ -120,6 +128,9 @@ class TracingDoor:
             real = self._arg(a)
             if real is not a:
                 inputs[i] = real
+        outputs = functions.forward_instead(opdefs.op_name(op_type), num_outputs, inputs)
+        if outputs is not None:  # a tf.function called in co-execution, run after a fallback
+            return outputs
         return interception.ORIGINAL_SLOW(op_type, num_outputs, inputs, attrs, ctx, name)
 
 

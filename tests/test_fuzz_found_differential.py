@@ -123,3 +123,53 @@ def nested_tape_after_a_cycling_branch(tape_cls, steps):
 def test_fallback_at_a_nested_gradient_differentiates_the_replayed_value():
     assert_same_as_eager(nested_tape_after_a_cycling_branch, 14, rtol=1e-5,
                          expect_fallbacks=(0, None), max_traces=10, min_coexecuted=1)
+
+
+def custom_gradient_interrupted_by_a_fallback(tape_cls, steps):
+    """Fuzz seed 5015, minimized: a ``tf.custom_gradient`` clip whose input takes one of
+    three paths (a random softplus, a recursion of depth 0 or 1). The first iteration on the
+    untraced path (no softplus, depth 0) falls back at the clip's own ``tf.identity``, after
+    ``tf.custom_gradient`` took its argument as a stand-in; it then recorded its gradient
+    over the stand-in, which no replayed op produced, so the clip was bypassed and the
+    embedding got the unclipped gradient (7x eager's)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(5015)
+    draws = np.random.default_rng(1).random(steps) < 0.38
+    embedding = keras.layers.Embedding(20, 8)
+    embedding.build((None, 4))
+    head = keras.layers.Dense(3)
+    head.build((None, 8))
+    params = embedding.trainable_weights + head.trainable_weights
+
+    def deep(h, depth):
+        return h if depth == 0 else deep(tf.tanh(h) + 0.5 * h, depth - 1)
+
+    @tf.custom_gradient
+    def clip(t):
+        def grad(dy):
+            return tf.clip_by_value(dy, -0.01, 0.01)
+        return tf.identity(t), grad
+
+    losses, grads_seen = [], []
+    for step in range(steps):
+        x = tf.constant(rng.integers(0, 20, (8, 4)).astype(np.int32))
+        y = tf.constant(rng.standard_normal((8, 3)).astype(np.float32))
+        with tape_cls() as tape:
+            h = tf.reduce_mean(embedding(x), axis=1)
+            if draws[step]:
+                h = tf.nn.softplus(h) - 0.5
+            h = clip(deep(h, step % 2 if step < 5 else 0))
+            loss = tf.reduce_mean(tf.square(head(h) - y))
+        grads = tape.gradient(loss, params)
+        grads_seen.append([tf.convert_to_tensor(g).numpy() for g in grads])
+        for g, v in zip(grads, params):
+            v.assign_sub(0.05 * tf.convert_to_tensor(g))
+        losses.append(float(loss))
+    return {"losses": losses, "grads": grads_seen, "params": [v.numpy() for v in params]}
+
+
+def test_custom_gradient_whose_argument_was_a_stand_in_before_a_fallback():
+    outcome = assert_same_as_eager(custom_gradient_interrupted_by_a_fallback, 10,
+                                   expect_fallbacks=(1, None), max_traces=10,
+                                   min_coexecuted=1)
+    assert "new branch" in outcome.explain, outcome.report()
