@@ -38,6 +38,7 @@ REGISTRY = {
     "tfp_bnn_elbo": Entry("tensorflow-probability", TFP, quick=True),
     "tfp_maf_flow": Entry("tensorflow-probability", TFP),
     "gpflow_gpr": Entry("gpflow", GPFLOW, env=LEGACY_KERAS),
+    "gpflow_gpr_compiled": Entry("gpflow", GPFLOW, env=LEGACY_KERAS),
     "gpflow_svgp": Entry("gpflow", GPFLOW, env=LEGACY_KERAS),
     "tfkeras_mobilenet": Entry("tf_keras", ("tf_keras",), env=LEGACY_KERAS),
     "keras3_mobilenetv3": Entry("keras 3", ("keras",)),
