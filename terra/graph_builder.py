@@ -614,7 +614,8 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
             if scope[0] is None:
                 scope[0] = f"{graph_name}_{next(segments)}".encode()
             for created in graph.get_operations()[n_ops:]:
-                if not created.type.startswith("Queue") and not _draws_random(created):
+                if not created.type.startswith("Queue") and not _draws_random(created) \
+                        and created.type != "StatefulPartitionedCall":  # _call_function's
                     _compile_with_xla(created, scope[0])
 
         def emit(step, env, last_fetch):
