@@ -132,3 +132,31 @@ def test_the_graph_calls_a_copy_that_is_not_inlined():
             assert context.context().get_function_def(n).attr["_noinline"].b, n
     finally:
         terra.reset()
+
+
+def keras_model_in_a_tf_function(tape_cls, steps):
+    """A Keras 3 model with BatchNorm and Dropout called through ``tf.function``: the forward
+    call updates the moving statistics and the dropout seed inside the function."""
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([
+        tf.keras.Input((12,)), tf.keras.layers.Dense(16), tf.keras.layers.BatchNormalization(),
+        tf.keras.layers.Dropout(0.3), tf.keras.layers.Dense(4)])
+    forward = tf.function(lambda x: model(x, training=True))
+    optimizer = tf.keras.optimizers.Adam(1e-2)
+    data = classification_data(steps * 16, 12, 4)
+    loss_fn = sparse_xent()
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, forward(x))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return {"losses": losses, "variables": [v.numpy() for v in model.variables],
+            "slots": [v.numpy() for v in optimizer.variables]}
+
+
+def test_a_keras_model_with_batchnorm_called_through_tf_function():
+    outcome = assert_same_as_eager(keras_model_in_a_tf_function, STEPS, exact=EXACT)
+    assert outcome.stats.coexecuted >= STEPS - 4, outcome.report()
