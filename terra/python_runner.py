@@ -231,15 +231,18 @@ class PythonRunner:
             real = [self._real(a) for a in inputs]
             return self._run_python(step, real,
                                     ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name))
-        outs = self._run(step, inputs)
         if step.op_type == op_type:
-            return outs
+            return self._run(step, inputs)
         # the traced forward call, reached by its inference twin: Python gets the outputs,
         # the graph keeps the intermediates for the backward call; a replay must put the
         # backward function on the tapes as the forward call under a tape did
+        tape_record = functions.tape_record(step.op_type)
+        if tape_record is None:
+            raise Mismatch(f"{op_type}: the functions of its forward call are gone")
+        outs = self._run(step, inputs)
         it = self.it
         it.customs.append((len(it.log), step.op_type, self._entries_of(list(outs)),
-                           self._entries_of(list(inputs)), functions.tape_record(step.op_type)))
+                           self._entries_of(list(inputs)), tape_record))
         return outs[:num_outputs]
 
     # -- tape events --------------------------------------------------------------------
