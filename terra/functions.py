@@ -78,8 +78,8 @@ def forward_instead(op_type: str, num_outputs: int, inputs):
     eagerly with the user's tapes recording again, and as an inference call it would leave
     them without the function's gradient. Returns the first ``num_outputs`` outputs of the
     forward call, or None where TF's choice stands: not an inference call of the function
-    being called, recording stopped when it was called (``tape.stop_recording()``), or no
-    tape watches its inputs."""
+    being called, recording paused on the thread when it was called (``tf.init_scope``), or
+    no tape watching its inputs (``tape.stop_recording()`` takes the tape off the set)."""
     calls = getattr(_local, "calls", None)
     if not calls or not op_type.startswith(_INFERENCE_PREFIX):
         return None
