@@ -122,9 +122,11 @@ def _replay(log, recorder, tapes, customs):
                 except errors.OpError as e:  # the graph failed here: eager fails the same way
                     recorder.aborted = True
                     raise _at_user_line(e, node.location) from None
+                # a tf.function's call has no registered gradient: its backward function
+                # is put back on the tapes among the iteration's custom gradients
                 if not stopped and execute.must_record_gradient() and \
-                        opdefs.info(node.op_type).op_def is not None:  # a function's is
-                    execute.record_gradient(node.op_type, args, attrs, results)  # a custom
+                        opdefs.info(node.op_type).op_def is not None:
+                    execute.record_gradient(node.op_type, args, attrs, results)
                 for entry, r in zip(outs, results):
                     entry.value = r
         finally:

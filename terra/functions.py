@@ -68,7 +68,7 @@ def tape_record(forward: str):
     return None if functions is None else TapeRecord(functions)
 
 
-def forward_instead(op_type: str, num_outputs: int, inputs):
+def forward_instead(op_type, num_outputs: int, inputs):
     """Run a ``tf.function``'s call as its forward function, its backward function put on the
     tapes, if TF chose the inference function only because no tape recorded when it chose.
 
@@ -81,7 +81,10 @@ def forward_instead(op_type: str, num_outputs: int, inputs):
     being called, recording paused on the thread when it was called (``tf.init_scope``), or
     no tape watching its inputs (``tape.stop_recording()`` takes the tape off the set)."""
     calls = getattr(_local, "calls", None)
-    if not calls or not op_type.startswith(_INFERENCE_PREFIX):
+    if not calls:  # the common case, first: every eager slow-path op asks
+        return None
+    op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
+    if not op_type.startswith(_INFERENCE_PREFIX):
         return None
     concrete, stopped = calls[-1]
     if stopped or _name(concrete._inference_function) != op_type:

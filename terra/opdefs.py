@@ -59,7 +59,7 @@ class OpInfo:
             self.list_inputs = ()
             self.has_list = False
             self.attr_types = {}
-            self.in_graph = is_function(name) and _function_in_graph(name)
+            self.in_graph = _function_in_graph(name)  # False if there is no such function
             return
         args = op_def.input_arg
         self.n_inputs = len(args)
@@ -76,16 +76,12 @@ _CALLING_OPS = frozenset({"PartitionedCall", "StatefulPartitionedCall", "If", "S
                           "While", "StatelessWhile", "Case", "StatelessCase"})
 
 
-def is_function(op_type: str) -> bool:
-    """Whether ``op_type`` names a function of the eager context's library (a ``tf.function``
-    called eagerly runs as an op of that name: ``terra.functions``)."""
-    return op_def_registry.get(op_type) is None and context.context().has_function(op_type)
-
-
 def _function_in_graph(name: str, seen=None) -> bool:
     """Whether every op the library function ``name`` runs (through nested calls and
     control-flow branches) may run in the symbolic graph, as ``OpInfo.in_graph`` says of
-    an op. A stateful random op inside keeps the call in Python, like the op alone."""
+    an op. A stateful random op inside keeps the call in Python, like the op alone. (A
+    ``tf.function`` called eagerly runs as an op named after such a function:
+    ``terra.functions``.)"""
     seen = set() if seen is None else seen
     if name in seen:
         return True

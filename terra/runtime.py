@@ -128,7 +128,7 @@ class TracingDoor:
             real = self._arg(a)
             if real is not a:
                 inputs[i] = real
-        outputs = functions.forward_instead(opdefs.op_name(op_type), num_outputs, inputs)
+        outputs = functions.forward_instead(op_type, num_outputs, inputs)
         if outputs is not None:  # a tf.function called in co-execution, run after a fallback
             return outputs
         return interception.ORIGINAL_SLOW(op_type, num_outputs, inputs, attrs, ctx, name)
