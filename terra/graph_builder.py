@@ -555,7 +555,11 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
         def captured(t):
             c = outer.get(t._id)
             if c is None:
-                c = outer[t._id] = top.capture(t)
+                # TF captures a small tensor as a Const made in the *default* graph: inside a
+                # switch-case's branch that is the branch's, and another branch reading the
+                # cached capture fails generation ("accessed from branch 1")
+                with top.as_default():
+                    c = outer[t._id] = top.capture(t)
             return c
 
         def dequeue(channel, last_fetch):

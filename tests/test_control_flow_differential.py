@@ -94,6 +94,30 @@ def test_if_else_on_a_python_counter():
         outcome.report()
 
 
+def small_tensor_read_in_both_branches(tape_cls, steps):
+    """Both branches of a counter's if/else read one eager tensor of 100 values, the same
+    tensor every step (too large to be a constant of the graph, small enough that TF captures
+    it as one). TF makes that ``Const`` in the graph being built at the time: the first
+    branch's. The second branch then read the first branch's constant and generation failed
+    ("accessed from branch 1"), so the program never co-executed."""
+    scale = tf.constant(np.linspace(0.5, 1.5, 100).reshape(20, 5), dtype=tf.float32)
+
+    def forward(net, x, step):
+        if step % 2:
+            h = net.inp(x) * tf.reduce_mean(scale)
+        else:
+            h = net.inp(x) + tf.reduce_max(scale)
+        return net.out(net.shared(h))
+
+    return train(tape_cls, steps, forward)
+
+
+def test_a_small_eager_tensor_read_in_two_branches():
+    outcome = assert_same_as_eager(small_tensor_read_in_both_branches, STEPS, max_traces=4,
+                                   expect_fallbacks=(0, 1), min_coexecuted=8)
+    assert "generation failed" not in outcome.explain, outcome.report()
+
+
 def loss_branch(tape_cls, steps):
     """A regularizer switched on whenever the last loss was high: the branch depends on a value
     fetched from the graph mid-iteration."""
