@@ -29,9 +29,13 @@ def parse(argv=None) -> Options:
                         help="runs the minimizer may spend per symptom (0: no minimizing)")
     parser.add_argument("--record", default="",
                         help="append one JSON line per program (draw, verdict, stats) here")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the programs --record already holds (a campaign in parts)")
     parser.add_argument("--show", action="store_true",
                         help="print the source of program S and exit")
     args = parser.parse_args(argv)
+    if args.resume and not args.record:
+        parser.error("--resume needs --record (the file of the programs already run)")
     split = lambda text: [name for name in text.split(",") if name]
     try:
         feature_names(split(args.only), split(args.disable))
@@ -40,7 +44,7 @@ def parse(argv=None) -> Options:
     return Options(count=args.count, seed=args.seed, steps=args.steps, jobs=args.jobs,
                    timeout=args.timeout, out=args.out, only=split(args.only),
                    disabled=split(args.disable), min_trials=args.min_trials, show=args.show,
-                   record=args.record)
+                   record=args.record, resume=args.resume)
 
 
 if __name__ == "__main__":

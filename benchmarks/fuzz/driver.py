@@ -30,6 +30,7 @@ class Options:
     min_trials: int = 24
     show: bool = False
     record: str = ""  # a JSON-lines file: one line per program (its draw, verdict, stats)
+    resume: bool = False  # skip the seeds ``record`` already holds; count them in the summary
 
     def command(self, seed: int) -> str:
         """The command that draws program ``seed`` again, with these generation options."""
@@ -62,9 +63,10 @@ def fuzz(options: Options) -> int:
     if options.show:
         print(render(_program(options, options.seed)))
         return 0
-    results = []
+    done = _recorded(options) if options.resume else {}
+    results = [Result(None, verdict) for verdict in done.values()]
     with ThreadPoolExecutor(max(1, options.jobs)) as pool:
-        for result in campaign(options, pool):
+        for result in campaign(options, pool, skip=done):
             results.append(result)
             if result.failed or result.kind == "invalid":
                 print(failure_line(result, options), flush=True)
@@ -75,7 +77,7 @@ def fuzz(options: Options) -> int:
                 out = Path(options.out)
                 out.mkdir(parents=True, exist_ok=True)
                 (out / f"{result.program.seed}.py").write_text(render(result.program))
-        groups = _by_symptom([r for r in results if r.failed])
+        groups = _by_symptom([r for r in results if r.failed and r.program is not None])
         if groups:
             print(f"{len(groups)} distinct symptoms:", flush=True)
         list(pool.map(lambda group: _keep(group, options), groups.items()))
@@ -87,10 +89,27 @@ def fuzz(options: Options) -> int:
     return 1 if any(r.failed or r.kind == "invalid" for r in results) else 0
 
 
-def campaign(options: Options, pool):
-    """The results of programs ``seed .. seed + count - 1``, in seed order, as they come."""
-    seeds = range(options.seed, options.seed + options.count)
+def campaign(options: Options, pool, skip=()):
+    """The results of programs ``seed .. seed + count - 1`` but ``skip``, in seed order, as
+    they come."""
+    seeds = [s for s in range(options.seed, options.seed + options.count) if s not in skip]
     return pool.map(lambda s: run(_program(options, s), options.timeout), seeds)
+
+
+def _recorded(options: Options) -> dict:
+    """seed -> recorded verdict of this campaign's programs already in ``--record`` (drawn with
+    the same steps and features): a long campaign can stop and go on (``--resume``)."""
+    path = Path(options.record)
+    if not path.exists():
+        return {}
+    seeds = range(options.seed, options.seed + options.count)
+    drawn = {}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if entry["seed"] in seeds and entry["steps"] == options.steps:
+            drawn[entry["seed"]] = entry
+    return {seed: entry for seed, entry in drawn.items()
+            if entry["features"] == _program(options, seed).features}
 
 
 def _program(options: Options, seed: int):
