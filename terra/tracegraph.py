@@ -78,9 +78,10 @@ class Slot:
 
     @classmethod
     def external(cls, t):
+        """An external input first seen as ``t``; the merge observes ``t`` (once: a value seen
+        in one trace is not yet known to be constant, nor the same tensor every time)."""
         slot = cls("feed")
         slot.dtype, slot.shape = t._datatype_enum(), t._shape_tuple()
-        slot.observe(t)
         return slot
 
     def observe(self, t):

@@ -57,6 +57,19 @@ def test_external_inputs_are_classified_by_what_was_observed():
     assert kinds == {"Neg": "const", "Exp": "capture", "Abs": "feed"}, str(graph)
 
 
+def test_an_input_seen_in_one_trace_is_fed():
+    """One trace cannot tell a constant or the very same tensor from a value that changes:
+    a path traced once (a branch taken once before the graph was built) feeds its inputs.
+    Counting a new node's first observation twice made them a constant and a capture, and
+    the next iteration on that path fell back ("constant value changed", "a different
+    tensor")."""
+    big = tf.ones((100,))
+    graph = TraceGraph()
+    graph.merge([op("Neg", ext([1.0, 2.0, 3.0, 4.0] * 4)), op("Exp", ("ext", big))])
+    kinds = {n.op_type: (n.inputs[0].kind, n.inputs[0].seen) for n in graph.nodes if n.inputs}
+    assert kinds == {"Neg": ("feed", 1), "Exp": ("feed", 1)}, str(graph)
+
+
 def test_a_different_producer_branches():
     w, v = tf.Variable(tf.ones((3, 3))), tf.Variable(tf.ones((3, 3)))
     g = TraceGraph()
