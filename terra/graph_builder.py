@@ -63,7 +63,7 @@ from tensorflow.python.ops import (
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import _pywrap_util_port, compat
 
-from terra import opdefs
+from terra import opdefs, regions
 from terra.case_assignment import assign_cases
 from terra.loops import roll
 from terra.queues import Channel
@@ -86,7 +86,7 @@ class Step:
                  "check_shapes", "value_shaped", "fetch", "has_fetch", "static", "dynamic",
                  "python", "out_feed",
                  "body", "results", "pack", "slow_attrs", "next", "puts", "visits", "seq",
-                 "owner", "cone_phis", "backward_feeds", "looped")
+                 "owner", "cone_phis", "backward_feeds", "looped", "any_path")
 
     def __init__(self, node: TraceNode | None):
         self.node = node
@@ -127,6 +127,10 @@ class Step:
         self.python = node.kind == NodeKind.OP and not node.in_graph
         self.out_feed = [None] * n_out  # python op outputs the graph consumes
         self.results = node.results
+        # GRAD: one region for every forward path (terra.regions), whose gradient is None
+        # where eager's is: the PythonRunner checks each iteration reaches its sources
+        self.any_path = node.kind is NodeKind.GRAD and regions.folded(node) and \
+            node.attrs[4].endswith("NONE")
         self.pack = None  # how the fast path groups outputs, learned on first use
 
     def __repr__(self):
@@ -380,8 +384,8 @@ def _symbolic(step, in_branch):
         return False
     if any(slot.kind == "feed" for slot in step.slots):
         return False
-    return node not in in_branch and not any(
-        producer in in_branch for _, producer, _ in node.cone.values())
+    return node not in in_branch and (regions.folded(node) or not any(
+        producer in in_branch for _, producer, _ in node.cone.values()))
 
 
 def _shapes_vary(tracegraph):
@@ -491,6 +495,7 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
     graph_name = f"terra_step_{next(_names)}"
     original = tracegraph
     tracegraph, loops = roll(tracegraph, keep=unrolled)
+    tracegraph = regions.fold(tracegraph, keep=unrolled)
     start, steps = _plan(tracegraph)
     varying = _shapes_vary(tracegraph)
     for node in varying:
@@ -627,6 +632,11 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
                 t = constant(slot.value, slot.dtype)
             else:
                 t = dequeue(step.feed[i], last_fetch)
+                if ops.get_default_graph() is not top:
+                    # in a switch-case's branch: TF's gradient through the Case differentiates
+                    # the branch with respect to all its inputs, the captured queue handle too,
+                    # and a dequeue has no gradient. A value Python feeds has none either.
+                    t = array_ops.stop_gradient(t)
             define(env, ("s", step.node, i), t)
             return t
 

@@ -112,6 +112,33 @@ def info(op_type: str) -> OpInfo:
     return OpInfo(op_type, op_def_registry.get(op_type))
 
 
+@functools.cache
+def gradient_flows(op_type: str, attrs: tuple, in_dtypes: tuple) -> tuple:
+    """Per input of ``op_type`` (these attrs, inputs of these dtype enums), whether TF's
+    gradient function gives it a gradient. Asked once, of the op built in a scratch graph:
+    a registered gradient may still give None (``tf.round``'s, an ``ArgMax``'s), and
+    ``tf.stop_gradient`` and ops TF declares not differentiable give none. A ``tf.function``'s
+    call (no op definition) passes every input: the tape records its backward function. An
+    op whose gradient cannot be asked this way passes none."""
+    if info(op_type).op_def is None:
+        return (True,) * len(in_dtypes)
+    try:
+        with ops.Graph().as_default() as graph:
+            inputs = [array_ops.placeholder(dtypes.as_dtype(d)) for d in in_dtypes]
+            op = graph._create_op_internal(op_type, inputs, attrs=attr_protos(op_type, attrs))
+            function = ops.get_gradient_function(op)
+            if function is None:
+                return (False,) * len(in_dtypes)
+            grads = function(op, *[array_ops.ones_like(o) if o.dtype.is_floating else None
+                                   for o in op.outputs])
+    except Exception:  # noqa: BLE001 - unknown: no gradient flows (the caller falls back)
+        return (False,) * len(in_dtypes)
+    grads = list(grads) if isinstance(grads, (list, tuple)) else [grads]
+    if len(grads) != len(in_dtypes):
+        return (False,) * len(in_dtypes)
+    return tuple(g is not None for g in grads)
+
+
 def op_name(op_type) -> str:
     """Eager entry points pass op types as str or bytes; Terra always uses str."""
     return op_type.decode() if isinstance(op_type, bytes) else op_type

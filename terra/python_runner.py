@@ -264,6 +264,10 @@ class PythonRunner:
         if not self._same_cone(step, inputs):
             raise Mismatch("the forward pass this gradient differentiates took a path its "
                            "recorded gradients were not computed for", "new producer")
+        if step.any_path and self._unreached_source(step, inputs):
+            raise Mismatch("this iteration's forward pass does not reach a source the "
+                           "gradient region gives a gradient for (eager gives None there)",
+                           "new producer")
         values = self._backward_values(step)
         if values is False:
             raise Mismatch("the backward pass needs values for inputs of shapes (or small "
@@ -311,6 +315,35 @@ class PythonRunner:
         except Mismatch:
             return False
         return self._same_cone(step, inputs) and self._backward_values(step) is not False
+
+    def _unreached_source(self, step, inputs):
+        """For a region that serves any forward path (``regions.fold``): whether a source it
+        has a result for is not reached from the target through the ops this iteration ran,
+        along inputs TF's gradient functions give a gradient (TF's gradient through the
+        switch-cases would give zeros for it where the tape gives None)."""
+        n_target, n_sources = step.attrs[1], step.attrs[2]
+        tensors = self.tensors
+        made_by = {}
+        for logged, ins, outputs, extra in self.it.log:
+            if logged.kind is not _OP or extra is True:  # True: issued with recording paused
+                continue
+            flows = opdefs.gradient_flows(logged.op_type, logged.attrs, tuple(
+                x.step.out_specs[x.out][1] if type(x) is Entry else
+                x._datatype_enum() if type(x) is _EagerTensor else slot.dtype
+                for x, slot in zip(ins, logged.slots, strict=True)))
+            reads = [x for x, flows_to in zip(ins, flows, strict=True) if flows_to]
+            for k, out in enumerate(outputs or ()):
+                if dtypes.as_dtype(logged.out_specs[k][1]).is_floating:
+                    out = tensors.get(out._id, out) if type(out) is _EagerTensor else out
+                    made_by[id(out)] = reads
+        reached, stack = set(), list(inputs[:n_target])
+        while stack:
+            x = stack.pop()
+            if id(x) not in reached:
+                reached.add(id(x))
+                stack.extend(made_by.get(id(x), ()))
+        return any(r is not None and id(source) not in reached for r, source in
+                   zip(step.results, inputs[n_target:n_target + n_sources], strict=True))
 
     def _entries_of(self, structure):
         tensors = self.tensors

@@ -1,0 +1,144 @@
+"""Gradient regions folded across forward paths: one region for every path the forward took.
+
+A gradient region (a ``tape.gradient`` call and its recorded backward ops) is valid only for
+the forward pass it was recorded after: its cone (``TraceNode.cone``). When the forward pass
+branches, the same call gets one region per combination of branches traced, and the
+PythonRunner falls back at the call whenever this iteration took a combination no trace had:
+two random choices per step need four regions, a block drawn at random in each of four layers
+sixteen, and every new one costs a fallback, a trace and a new graph.
+
+TF's symbolic gradient of the graph's forward ops (``tf.gradients`` through the
+``tf.switch_case`` ops the branches are emitted as) differentiates whichever branches ran.
+:func:`fold` makes, on a copy of the TraceGraph, one region out of the regions of one call
+(same key: same call site) and marks it for that gradient (``TraceNode.rolled``, as the
+regions merged through a rolled loop are): it then serves every combination, traced or not.
+Only regions whose tape recorded every forward op they differentiate (``TraceNode.taped``)
+and whose results have one structure are folded. Where TF's gradient cannot be built, or does
+not give the tape's structure, the GraphGenerator generates again without that fold
+(``keep``), and the regions stay one per traced path, as before.
+"""
+
+import copy
+
+from terra.tracegraph import NodeKind, TraceGraph
+
+
+def folded(node) -> bool:
+    """Whether ``node`` is the region :func:`fold` made of several."""
+    return isinstance(node.rolled, tuple) and node.rolled[:1] == ("fold",)
+
+
+def fold(tracegraph: TraceGraph, keep=frozenset()):
+    """A copy of ``tracegraph`` with the regions of each gradient call folded into one, or
+    ``tracegraph`` itself if no call has two foldable regions. ``keep``: calls (by the
+    fold key, ``("fold", head id)`` of the region kept) whose regions stay apart."""
+    groups = [g for g in _groups(tracegraph) if ("fold", g[0].id) not in keep]
+    if not groups:
+        return tracegraph
+    try:
+        new = _copy(tracegraph, groups)
+    except KeyError:  # something reads a backward op of a region that is no result
+        return tracegraph
+    if len(new.topological()) != len(new.nodes):  # joining two calls closed a cycle
+        return tracegraph
+    return new
+
+
+def _groups(tracegraph):
+    """Regions of the same call (one key) that can be one, each group in graph order."""
+    by_key = {}
+    for node in tracegraph.nodes:
+        if node.kind is NodeKind.GRAD and not node.in_body and node.rolled is None:
+            by_key.setdefault(node.key, []).append(node)
+    groups = []
+    for nodes in by_key.values():
+        if len(nodes) < 2 or not all(g.taped for g in nodes):
+            continue
+        if len({_structure(g) for g in nodes}) == 1:
+            groups.append(nodes)
+    return groups
+
+
+def _structure(g):
+    """What folded regions must share: their results' structure and their inputs' kinds."""
+    results = tuple(None if r is None else (r[0], tuple(q is None for q in r[1:]))
+                    for r in g.results)
+    return results, tuple(s.kind for s in g.inputs)
+
+
+def _region(head):
+    body, n = [], head
+    for _ in range(head.body_len):
+        n = n.succs[0]
+        body.append(n)
+    return body
+
+
+def _copy(graph, groups):
+    merged = {}  # (node, out) of a dropped region's result -> the kept region's
+    stands_for = {}  # a dropped region's head and last op -> the kept region's
+    dropped = set()
+    for nodes in groups:
+        keep, keep_body = nodes[0], _region(nodes[0])
+        for g in nodes[1:]:
+            body = _region(g)
+            dropped.add(g)
+            dropped.update(body)
+            stands_for[g] = keep
+            stands_for[body[-1] if body else g] = keep_body[-1] if keep_body else keep
+            for r, r_keep in zip(g.results, keep.results, strict=True):
+                for part, part_keep in zip((r or ())[1:], (r_keep or ())[1:]):
+                    if part is not None:
+                        merged[part] = part_keep
+    new = copy.copy(graph)
+    new.trips, new._by_key = {}, {}
+    clone = {}
+    for n in graph.nodes:
+        if n not in dropped:
+            clone[n] = copy.copy(n)
+            clone[n].succs, clone[n].preds = [], []
+    for node in clone.values():
+        if node.loop is not None:
+            node.loop = clone[node.loop]
+        if node.kind is NodeKind.LOOP:
+            node.carried = [(clone[b], out) for b, out in node.carried]
+    new.start, new.end = clone[graph.start], clone[graph.end]
+
+    def out_of(node, out):
+        node, out = merged.get((node, out), (node, out))
+        return clone[node], out
+
+    for old, node in clone.items():
+        node.inputs = [_mapped(slot, out_of) for slot in old.inputs]
+        if node.kind is NodeKind.GRAD:
+            node.results = [None if r is None else (r[0],) + tuple(
+                None if q is None else out_of(*q) for q in r[1:]) for r in old.results]
+            node.cone = {(None if n is None else clone[n], k): (kind, *out_of(p, out))
+                         for (n, k), (kind, p, out) in old.cone.items()}
+    for nodes in groups:
+        head = clone[nodes[0]]
+        head.rolled = ("fold", nodes[0].id)
+        head.observations = []  # TF's symbolic gradient needs no backward feeds
+        for g in nodes[1:]:
+            for slot, other in zip(head.inputs, g.inputs, strict=True):
+                slot.alts = list(dict.fromkeys(slot.alts + [out_of(n, o) for n, o in other.alts]))
+
+    def end_of(old):
+        if old in stands_for:
+            return clone[stands_for[old]]
+        return None if old in dropped else clone[old]
+
+    for old in graph.nodes:
+        for s in old.succs:
+            a, b = end_of(old), end_of(s)
+            if a is not None and b is not None and a is not b:
+                TraceGraph._link(a, b)
+    new.nodes = [clone[n] for n in graph.nodes if n in clone]
+    return new
+
+
+def _mapped(slot, out_of):
+    new = copy.copy(slot)
+    if slot.kind in ("node", "same"):
+        new.alts = list(dict.fromkeys(out_of(n, out) for n, out in slot.alts))
+    return new
