@@ -68,6 +68,13 @@ class Config:
         (a target network synced every few steps, one new shape) settles after one or two; one
         whose paths keep coming, or whose graph is costly to build, waits, running eagerly,
         until the budget affords the next (``terra.budget``).
+      fold_after: once this many forward paths (combinations of branches) none of a
+        gradient call's regions was recorded for came after a graph was built (each costs a
+        fallback or a longer trace), the call's regions become one, TF's gradient through the
+        switch-cases, which serves every combination (``terra.regions``). Its rounding may
+        differ from the tape's in the last bit where a value has three or more consumers
+        (the sum's order), so a call that does not keep meeting new paths keeps the regions
+        the tape recorded, which are bit-exact.
       max_fallbacks_in_a_row: after this many fallbacks without a co-executed iteration in
         between, or this many in all once they outnumber the co-executed iterations, stop
         generating graphs and run eagerly (``explain()`` says why): a program that takes a
@@ -87,6 +94,7 @@ class Config:
     warmup: int = 1
     max_trace_ops: int = 200_000
     max_fallbacks_in_a_row: int = 4
+    fold_after: int = 2
     budget: float = 0.05
     free_rebuilds: int = 2
     verbosity: int = 0

@@ -484,18 +484,18 @@ class _KeepUnrolled(Exception):
 
 
 def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
-             unrolled=frozenset()) -> SymbolicGraph:
+             unrolled=frozenset(), fold=frozenset()) -> SymbolicGraph:
     """Build the symbolic graph for every path of the TraceGraph (its compute ops compiled
     with XLA if ``xla``), its loops rolled into While ops (``terra.loops``). ``exact``: every
     op rounds as its eager kernel does (see _EXACT_OFF and _keep_eager_rounding). ``recorded``:
     gradient regions emitted as their recorded backward ops even where ``_symbolic`` would
     take TF's symbolic gradient (it failed for them), by node id (the same in every rolled
     copy); ``unrolled``: loops left unrolled (by their first trip's nodes: their While
-    failed)."""
+    failed); ``fold``: gradient calls (by key) whose regions become one (``terra.regions``)."""
     graph_name = f"terra_step_{next(_names)}"
     original = tracegraph
     tracegraph, loops = roll(tracegraph, keep=unrolled)
-    tracegraph = regions.fold(tracegraph, keep=unrolled)
+    tracegraph = regions.fold(tracegraph, fold, keep=unrolled)
     start, steps = _plan(tracegraph)
     varying = _shapes_vary(tracegraph)
     for node in varying:
@@ -513,7 +513,7 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
         if node.id not in recorded and _symbolic(step, in_branch):
             symbolic.add(node)
         elif step.kind is NodeKind.GRAD and node.rolled:
-            return generate(original, xla, exact, recorded, unrolled | {node.rolled})
+            return generate(original, xla, exact, recorded, unrolled | {node.rolled}, fold)
     consumers_needing_value = set()  # (node, out) read by a Python-run op
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     phi_of = {}  # (node, out) or ("s", node, input) -> the phi slots it updates
@@ -842,10 +842,10 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
         function = function.get_concrete_function()
     except _NotSymbolic as e:
         if e.node.rolled:
-            return generate(original, xla, exact, recorded, unrolled | {e.node.rolled})
-        return generate(original, xla, exact, recorded | {e.node.id}, unrolled)
+            return generate(original, xla, exact, recorded, unrolled | {e.node.rolled}, fold)
+        return generate(original, xla, exact, recorded | {e.node.id}, unrolled, fold)
     except _KeepUnrolled as e:
-        return generate(original, xla, exact, recorded, unrolled | {e.key})
+        return generate(original, xla, exact, recorded, unrolled | {e.key}, fold)
     fetched_shapes = {n for n, step in steps.items() if step.dynamic and n not in unseen}
     for node in _downstream(tracegraph, fetched_shapes):
         steps[node].check_shapes = True

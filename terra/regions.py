@@ -9,9 +9,12 @@ sixteen, and every new one costs a fallback, a trace and a new graph.
 
 TF's symbolic gradient of the graph's forward ops (``tf.gradients`` through the
 ``tf.switch_case`` ops the branches are emitted as) differentiates whichever branches ran.
-:func:`fold` makes, on a copy of the TraceGraph, one region out of the regions of one call
-(same key: same call site) and marks it for that gradient (``TraceNode.rolled``, as the
-regions merged through a rolled loop are): it then serves every combination, traced or not.
+For a call that keeps falling back that way (``Config.fold_after``), :func:`fold` makes, on a
+copy of the TraceGraph, one region out of the call's regions (same key: same call site) and
+marks it for that gradient (``TraceNode.rolled``, as the regions merged through a rolled loop
+are): it then serves every combination, traced or not. Only such calls: where a value has
+three or more consumers, TF's gradient may sum their contributions in another order than the
+tape, a last-bit difference that a recorded region does not have.
 Only regions whose tape recorded every forward op they differentiate (``TraceNode.taped``)
 and whose results have one structure are folded. Where TF's gradient cannot be built, or does
 not give the tape's structure, the GraphGenerator generates again without that fold
@@ -28,11 +31,12 @@ def folded(node) -> bool:
     return isinstance(node.rolled, tuple) and node.rolled[:1] == ("fold",)
 
 
-def fold(tracegraph: TraceGraph, keep=frozenset()):
-    """A copy of ``tracegraph`` with the regions of each gradient call folded into one, or
-    ``tracegraph`` itself if no call has two foldable regions. ``keep``: calls (by the
-    fold key, ``("fold", head id)`` of the region kept) whose regions stay apart."""
-    groups = [g for g in _groups(tracegraph) if ("fold", g[0].id) not in keep]
+def fold(tracegraph: TraceGraph, calls, keep=frozenset()):
+    """A copy of ``tracegraph`` with the regions of each gradient call in ``calls`` (by key)
+    folded into one, or ``tracegraph`` itself if none has two foldable regions. ``keep``:
+    groups (by the fold key, ``("fold", head id)`` of the region kept) that stay apart."""
+    groups = [g for g in _groups(tracegraph)
+              if g[0].key in calls and ("fold", g[0].id) not in keep]
     if not groups:
         return tracegraph
     try:

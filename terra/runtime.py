@@ -205,6 +205,10 @@ class Runtime:
             log.addHandler(logging.StreamHandler())
             log.setLevel(logging.INFO)
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
+        # gradient calls (by key) -> regions recorded for them after the first graph was
+        # built (a forward path none of their regions was recorded for): past
+        # config.fold_after, one region serves every path (terra.regions)
+        self.region_misses = {}
         self.ledger = budget.Ledger(budget=config.budget)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
         self._generation_time = 0.0  # of the iteration that is ending
@@ -411,14 +415,17 @@ class Runtime:
             return
         if len(rec.records) > config.max_trace_ops:
             return
+        regions_before = self.tracegraph.regions() if self.stats.graph_generations else None
         try:
-            covered, _ = self.tracegraph.merge(rec.records)
+            covered, _ = self.tracegraph.merge(rec.records, any_path=self._folded())
         except Exception as err:  # noqa: BLE001 - the TraceGraph may be half-merged: stop
             if config.strict:
                 raise
             self._give_up(f"Terra error while merging a trace: {type(err).__name__}: {err}")
             return
         self.stats.traces += 1
+        if regions_before is not None:
+            self._count_region_misses(regions_before)
         if config.check:
             self.tracegraph.lint()
         limit, s = config.max_fallbacks_in_a_row, self.stats
@@ -436,11 +443,30 @@ class Runtime:
         elif covered:
             self._generate()
 
+    def _folded(self):
+        """The gradient calls whose regions the graph makes one (``terra.regions``)."""
+        return {key for key, n in self.region_misses.items() if n >= config.fold_after}
+
+    def _count_region_misses(self, before):
+        """Count the regions the trace added to gradient calls a graph was built for."""
+        for key, n in self.tracegraph.regions().items():
+            added = n - before.get(key, 0)
+            if added <= 0 or not before.get(key):
+                continue
+            misses = self.region_misses[key] = self.region_misses.get(key, 0) + added
+            if misses - added < config.fold_after <= misses:
+                self._note("one gradient region for every forward path", f"{misses} forward "
+                           "paths no region of this gradient call was recorded for came after "
+                           "the graph was built: the next graph takes TF's gradient through "
+                           "the switch-cases there (terra.regions)",
+                           self.tracegraph.region_location(key))
+
     def _generate(self):
         t0 = time.perf_counter()
         try:
             with interception.paused():
-                graph = generate(self.tracegraph, xla=config.xla, exact=config.exact)
+                graph = generate(self.tracegraph, xla=config.xla, exact=config.exact,
+                                 fold=self._folded())
         except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
             self._give_up(f"graph generation failed: {type(e).__name__}: {e}")
             return
@@ -601,6 +627,7 @@ class Runtime:
         else:
             category, reason = "graph error", str(why)
         self._note(f"fallback [{category}]", reason, user_location())
+
         runner.it = None
         self.graph = None
         self.phase = "tracing"

@@ -355,11 +355,13 @@ class TraceGraph:
             return False
         return all(s.matches(r, trace, join) for s, r in zip(node.inputs, rec.inputs))
 
-    def merge(self, records: list[OpRecord]):
+    def merge(self, records: list[OpRecord], any_path=frozenset()):
         """Merge one trace. Returns ``(covered, path)``: whether nothing had to be added and
         every node of the path has now been seen at least twice (a value seen once cannot be
         told constant from varying), and the nodes the trace went through, start and end
-        excluded.
+        excluded. ``any_path``: gradient calls (by key) whose regions the graph makes one
+        (``terra.regions``): a region added for one of them, for a new forward path, and the
+        edge back from it do not count as new.
 
         Each record is matched among the successors of the latest matched node; on a miss
         the trace merges back into a node elsewhere that fits (same key, inputs that fit or
@@ -374,6 +376,7 @@ class TraceGraph:
         cur = self.start
         trace = _Matched()
         path: list[TraceNode] = []
+        fresh = set()  # the nodes of regions added for calls in ``any_path``
         i = 0
         while i < len(records):
             unit = None
@@ -382,10 +385,18 @@ class TraceGraph:
                 if unit is not None:
                     break
             if unit is None:
-                covered = False
                 unit = self._merge_back(cur, records, i, trace)
-            if unit is None:
-                unit = self._add_unit(records, i, trace)
+                folded = records[i].kind == "grad" and _key(records[i]) in any_path
+                # back from a fresh region, or along a known edge reading what one computed
+                joins_fresh = unit is not None and (cur in fresh or unit[0][0] in cur.succs and any(
+                    ref[0] in ("op", "same") and trace.nodes[ref[1]] in fresh
+                    for ref in records[i].inputs))
+                if not (folded or joins_fresh):
+                    covered = False
+                if unit is None:
+                    unit = self._add_unit(records, i, trace)
+                    if folded:
+                        fresh.update(unit[0])
             in_graph_order, in_record_order = unit
             self._link(cur, in_graph_order[0])
             for j, node in enumerate(in_record_order, i):
@@ -407,7 +418,7 @@ class TraceGraph:
         for node in path:
             node.seen += 1
         self._note_trips(path)
-        return covered and all(node.seen > 1 for node in path), path
+        return covered and all(node.seen > 1 or node in fresh for node in path), path
 
     def _match_unit(self, node, records, i, trace, join=False):
         """Whether records ``i...`` match starting at ``node``: None, or the matched nodes in
@@ -550,6 +561,20 @@ class TraceGraph:
                 assert n in s.preds, f"{n!r}->{s!r} missing its reverse edge"
             for slot in n.inputs:
                 assert all(p in self.nodes for p, _ in slot.alts), f"{n!r} dangling input"
+
+    def regions(self) -> dict:
+        """How many gradient regions each gradient call (by key) has: one per forward path
+        it was recorded after."""
+        counts = {}
+        for n in self.nodes:
+            if n.kind is NodeKind.GRAD:
+                counts[n.key] = counts.get(n.key, 0) + 1
+        return counts
+
+    def region_location(self, key):
+        """Where the gradient call ``key`` is in the user's code."""
+        return next((n.location for n in self.nodes if n.kind is NodeKind.GRAD and n.key == key),
+                    None)
 
     @property
     def branch_points(self):

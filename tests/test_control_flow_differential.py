@@ -472,13 +472,13 @@ def test_falling_back_at_every_graph_gives_up_and_runs_eagerly():
     assert outcome.explain.count("fallback [new loop count]") == limit, outcome.report()
 
 
-def two_choices(tape_cls, steps, plan, pick_variables=False, stop=None):
-    """Two branch points per step and common ops between them, where the paths merge back
-    (``plan``: per step, which side each branch point takes, e.g. "ab"); the gradient call
-    after them meets a new forward path for each combination. ``pick_variables``: each side
-    reads its own variable (a path may leave ``b`` unused: eager's gradient for it is None;
-    the common ops read ``a``); else both sides read the same one. ``stop`` (a function no
-    gradient flows through): the second branch's "b" side reads ``b`` through it, its "a"
+def three_choices(tape_cls, steps, plan, pick_variables=False, stop=None):
+    """Three branch points per step, with common ops between them where the paths merge back
+    (``plan``: per step, the side each point takes, e.g. "aba"); the gradient call after them
+    meets a new forward path for each combination. ``pick_variables``: the first two points'
+    sides read their own variable (a path may leave ``b`` unused: eager's gradient for it is
+    None; the common ops read ``a``); else both sides read the same one. ``stop`` (a function
+    no gradient flows through): the second point's "b" side reads ``b`` through it, its "a"
     side reads ``b``."""
     tf.keras.utils.set_random_seed(0)
     data = classification_data(steps * 16, 8, 4)
@@ -492,7 +492,7 @@ def two_choices(tape_cls, steps, plan, pick_variables=False, stop=None):
     losses, grads_per_step = [], []
     for step in range(steps):
         x, y = batch(data, step, 16)
-        first, second = plan[step]
+        first, second, third = plan[step]
         with tape_cls() as tape:
             if first == "a":
                 h = tf.nn.relu(x @ a)
@@ -505,6 +505,11 @@ def two_choices(tape_cls, steps, plan, pick_variables=False, stop=None):
                 h = stop(h @ b) * h
             else:
                 h = h @ b * 0.5
+            h = h + 0.2
+            if third == "a":
+                h = h * 1.5
+            else:
+                h = tf.nn.softplus(h)
             loss = loss_fn(y, h @ head)
         grads = tape.gradient(loss, variables)
         optimizer.apply_gradients((g, v) for g, v in zip(grads, variables, strict=True)
@@ -515,28 +520,40 @@ def two_choices(tape_cls, steps, plan, pick_variables=False, stop=None):
             "optimizer": list(optimizer.variables)}
 
 
-def test_one_gradient_region_serves_forward_paths_no_trace_took():
-    """Traces see "ab" and "ba" (each gradient region recorded for its own forward pass);
-    "aa" and "bb" come later: new forward paths for the gradient call. Its regions are one
-    (TF's gradient through the switch-cases, ``terra.regions``), so they co-execute without
-    a fallback (before: one fallback, trace and graph per new combination)."""
-    plan = ["ab", "ba"] * 4 + ["bb", "aa", "bb", "ab", "aa", "ba", "bb", "aa"]
-    outcome = assert_same_as_eager(lambda t, s: two_choices(t, s, plan), len(plan),
-                                   max_traces=5, expect_fallbacks=(0, 0), min_coexecuted=10)
-    assert outcome.stats.graph_generations == 1, outcome.report()
+FOLDED = "one gradient region for every forward path"
+
+
+def test_a_gradient_call_that_keeps_meeting_new_forward_paths_gets_one_region():
+    """Traces see "aaa" and "bbb" (a gradient region recorded for each forward pass); then
+    every step is a combination no trace took. The first falls back at the gradient call and
+    is traced, and so is the next; after two such paths (``Config.fold_after``) the call's
+    regions are one in the next graph (TF's gradient through the switch-cases,
+    ``terra.regions``), and the other combinations co-execute without a fallback (before:
+    one fallback, trace and graph per new combination)."""
+    plan = ["aaa", "bbb"] * 4 + ["aba", "bab", "abb", "baa", "aab", "bba", "abb", "aab",
+                                 "bab", "baa", "aba", "bba"]
+    outcome = assert_same_as_eager(lambda t, s: three_choices(t, s, plan), len(plan),
+                                   max_traces=7, expect_fallbacks=(1, 1), min_coexecuted=12)
+    assert FOLDED in outcome.explain, outcome.report()
 
 
 def test_a_path_that_leaves_a_variable_unused_gets_eagers_none():
-    """Each side reads its own variable: with "ab" and "ba" traced, both get a gradient; on
-    "aa" ``b`` is unused and eager's gradient for it is None (Adam leaves ``b`` and its slots
-    alone), where TF's gradient through the switch-cases gives zeros (Adam would move it).
-    The PythonRunner sees ``b`` is not reached this iteration and falls back. The same on
-    "ab" after "aa", "ba" and "bb", where the second branch reads ``b`` only through
-    ``tf.stop_gradient`` (recording paused) or ``tf.round`` (its gradient is None)."""
-    plan = ["ab", "ba"] * 4 + ["aa", "ab", "ba", "ab", "ba", "ab"]
-    assert_same_as_eager(lambda t, s: two_choices(t, s, plan, pick_variables=True), len(plan),
-                         max_traces=8, expect_fallbacks=(1, None), min_coexecuted=6)
-    plan = ["aa", "ba", "bb"] * 3 + ["ab", "ba", "bb", "aa", "ab", "ba"]
+    """Each side reads its own variable. Once the regions are one (two new paths after the
+    first graph), "aaa" leaves ``b`` unused: eager's gradient for it is None (Adam leaves
+    ``b`` and its slots alone), where TF's gradient through the switch-cases gives zeros
+    (Adam would move it). The PythonRunner sees ``b`` is not reached this iteration and
+    falls back. The same on "aba" where the
+    second point reads ``b`` only through ``tf.stop_gradient`` (recording paused) or
+    ``tf.round`` (its gradient is None)."""
+    def check(plan, **kwargs):
+        outcome = assert_same_as_eager(lambda t, s: three_choices(t, s, plan, **kwargs),
+                                       len(plan), max_traces=10, expect_fallbacks=(2, None),
+                                       min_coexecuted=5)
+        assert FOLDED in outcome.explain and "does not reach a source" in outcome.explain, \
+            outcome.report()
+
+    check(["aba", "bab"] * 4 + ["abb", "baa", "aba", "bab", "aaa", "abb", "bab", "baa"],
+          pick_variables=True)
     for stop in (tf.stop_gradient, tf.round):
-        assert_same_as_eager(lambda t, s, stop=stop: two_choices(t, s, plan, True, stop), len(plan),
-                             max_traces=8, expect_fallbacks=(1, None), min_coexecuted=6)
+        check(["aaa", "bbb"] * 4 + ["bba", "aab", "aaa", "bbb", "aba", "bba", "aab", "bbb"],
+              pick_variables=True, stop=stop)
