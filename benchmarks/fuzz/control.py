@@ -45,6 +45,23 @@ def if_random(rng, tag, base):
     return {"forward": [f"if random.random() < {p}:\n    h = {_pick_op(rng)}"]}
 
 
+@feature("random_blocks")
+def random_blocks(rng, tag, base):
+    """Independent random choices on separate lines, each side reading one fixed eager
+    tensor: the gradient call meets combinations of branches no trace took (one recorded
+    region per combination until Terra folds them into one), and a captured tensor is read
+    in both branches of a switch-case (65-128 values: TF captures it as a constant)."""
+    size = rng.choice([16, 80, 120])
+    helpers = [f"{tag}_scale = tf.constant(np.linspace(0.5, 1.5, {size}, dtype=np.float32))"]
+    forward = []
+    for _ in range(rng.choice([2, 3])):
+        p = round(rng.uniform(0.3, 0.7), 2)
+        forward.append(f"if random.random() < {p}:\n"
+                       f"    h = ({_pick_op(rng)}) * tf.reduce_mean({tag}_scale)\n"
+                       f"else:\n    h = ({_pick_op(rng)}) + 0.1 * tf.reduce_max({tag}_scale)")
+    return {"helpers": helpers, "forward": forward}
+
+
 @feature("if_attribute")
 def if_attribute(rng, tag, base):
     inc = rng.choice([1, 2])
