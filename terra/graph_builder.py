@@ -388,6 +388,27 @@ def _symbolic(step, in_branch):
         producer in in_branch for _, producer, _ in node.cone.values()))
 
 
+def _bodies_read_outside(steps):
+    """Gradient regions whose backward ops are read other than as the region's results (a
+    gradient taken through a nested tape's gradient differentiates its backward ops, and
+    reads their values): TF's symbolic gradient would not make those ops, so such a region
+    keeps its recorded ones."""
+    needed = set()
+    for step in steps.values():
+        owner = step.owner
+        for slot in step.slots:
+            if slot.kind not in ("node", "same"):
+                continue
+            for p, out in slot.alts:
+                region = steps[p].owner if p in steps else None
+                if region is None or region is steps[p] or region is owner:
+                    continue
+                results = {q for r in region.node.results or () if r for q in r[1:]}
+                if slot.kind == "same" or (p, out) not in results:
+                    needed.add(region.node)
+    return needed
+
+
 def _shapes_vary(tracegraph):
     """Nodes whose input shapes may differ from every recorded signature: downstream of a
     feed or Python-run op whose shape varied, or of joined inputs of different shapes. The
@@ -509,8 +530,9 @@ def generate(tracegraph, xla=False, exact=True, recorded=frozenset(),
                  for case in sc.cases for head in case.block
                  for node in [head] + [b.node for b in steps[head].body]}
     symbolic = set()
+    needed = _bodies_read_outside(steps)
     for node, step in steps.items():
-        if node.id not in recorded and _symbolic(step, in_branch):
+        if node.id not in recorded and node not in needed and _symbolic(step, in_branch):
             symbolic.add(node)
         elif step.kind is NodeKind.GRAD and node.rolled:
             return generate(original, xla, exact, recorded, unrolled | {node.rolled}, fold)

@@ -550,7 +550,7 @@ class PythonRunner:
                     if feed and step.feed[i] is not None:
                         step.feed[i].put(a)
                         if it.signature is not None:
-                            it.signature.append(signature_part(a))
+                            it.signature.append(signature_part(a, step.op_type, i))
                 else:
                     raise _bad(step, i, "has a new producer")
                 log.append(a)
@@ -569,7 +569,7 @@ class PythonRunner:
                 if feed and step.feed[i] is not None:
                     step.feed[i].put(t)
                     if it.signature is not None:
-                        it.signature.append(signature_part(t))
+                        it.signature.append(signature_part(t, step.op_type, i))
                 log.append(t)
             else:
                 raise _bad(step, i, f"is a Python value, recorded a {kind}")

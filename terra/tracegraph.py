@@ -621,11 +621,25 @@ def periodic_runs(keys):
     return runs
 
 
-def signature_part(t):
-    """What an external input contributes to an iteration's signature: its shape, and its
-    value if it is a tiny integer (a size, an index), as bytes. Shapes are integers: a float
+# (op type, input index) of inputs that are data to every gradient function of the op's
+# type: none computes a value from them in Python (a ``Shape`` reads only the shape). A tiny
+# batch's labels (eight int32s) are such a value; were its values part of the signature,
+# every batch would be a new one.
+DATA_INPUTS = frozenset({
+    ("Shape", 0), ("Size", 0), ("Rank", 0),
+    ("SparseSoftmaxCrossEntropyWithLogits", 1), ("Cast", 0), ("OneHot", 0),
+    ("GatherV2", 1), ("ResourceGather", 1), ("Equal", 0), ("Equal", 1), ("NotEqual", 0),
+    ("NotEqual", 1), ("Less", 0), ("Less", 1), ("Greater", 0), ("Greater", 1),
+})
+
+
+def signature_part(t, op_type=None, index=None):
+    """What an external input (input ``index`` of an ``op_type``) contributes to an
+    iteration's signature: its shape, and its value if it is a tiny integer (a size, an
+    index) that a gradient function may compute from, as bytes. Shapes are integers: a float
     fed every step (a noise scale, a loss read back) does not make every signature new."""
-    if t._num_elements() <= ONCE_CONST and (t.dtype.is_integer or t.dtype == dtypes.bool):
+    if t._num_elements() <= ONCE_CONST and (t.dtype.is_integer or t.dtype == dtypes.bool) \
+            and (op_type, index) not in DATA_INPUTS:
         return t._shape_tuple(), t._numpy_internal().tobytes()
     return t._shape_tuple(), None
 
@@ -634,7 +648,7 @@ def _observation(records, i, nodes):
     """See ``TraceNode.observations``: what the gradient call at record ``i`` saw."""
     before = []
     for j in range(i):
-        before += [(nodes[j], k, signature_part(ref[1]))
+        before += [(nodes[j], k, signature_part(ref[1], records[j].op_type, k))
                    for k, ref in enumerate(records[j].inputs) if ref[0] == "ext"]
         before.append((nodes[j], None, tuple(spec[0] for spec in records[j].out_specs)))
     body = {}

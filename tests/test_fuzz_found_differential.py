@@ -173,3 +173,45 @@ def test_custom_gradient_whose_argument_was_a_stand_in_before_a_fallback():
                                    expect_fallbacks=(1, None), max_traces=10,
                                    min_coexecuted=1)
     assert "new branch" in outcome.explain, outcome.report()
+
+
+def gradient_through_a_nested_gradient(tape_cls, steps, nested=True):
+    """The outer tape differentiates ``h + 0.1 * inner.gradient(o, h)``, so its backward pass
+    reads the inner gradient's backward ops; with the batch size changing, the inner region
+    was emitted as TF's symbolic gradient, which does not make those ops, and generation
+    failed (``KeyError`` on an inner backward op's value: the program never co-executed).
+    Then the outer region, fed backward values by the iteration's signature, fell back at
+    every step: the signature held the values of the batch's labels (six or eight int32s,
+    small enough to be taken for a size), new every step."""
+    rng = np.random.default_rng(7036)
+    w = tf.Variable(rng.standard_normal((6, 8)).astype(np.float32) * 0.3)
+    head = tf.Variable(rng.standard_normal((8, 3)).astype(np.float32) * 0.3)
+    losses, grads_seen = [], []
+    for step in range(steps):
+        batch = (8, 6)[step % 2]
+        x = tf.constant(rng.standard_normal((batch, 6)).astype(np.float32))
+        y = tf.constant(rng.integers(0, 3, batch).astype(np.int32))
+        with tape_cls() as tape:
+            h = x @ w
+            if nested:
+                with tape_cls() as inner:
+                    inner.watch(h)
+                    o = tf.reduce_sum(tf.tanh(h) ** 2)
+                h = h + 0.1 * inner.gradient(o, h)
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(y, h @ head))
+        grads = tape.gradient(loss, [w, head])
+        grads_seen.append([g.numpy() for g in grads])
+        for g, v in zip(grads, [w, head]):
+            v.assign_sub(0.05 * g)
+        losses.append(float(loss))
+    return {"losses": losses, "grads": grads_seen, "params": [w.numpy(), head.numpy()]}
+
+
+def test_a_gradient_through_a_nested_gradient_under_varying_shapes_is_generated():
+    assert_same_as_eager(gradient_through_a_nested_gradient, 12, max_traces=3, min_coexecuted=8)
+
+
+def test_a_small_batchs_labels_do_not_make_every_signature_new():
+    assert_same_as_eager(lambda t, s: gradient_through_a_nested_gradient(t, s, nested=False),
+                         12, max_traces=3, min_coexecuted=8)
