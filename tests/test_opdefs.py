@@ -1,4 +1,5 @@
-"""The scratch-graph shape inference that generation and the PythonRunner share."""
+"""The scratch-graph shape inference that generation and the PythonRunner share, and the
+gradient-flow answers the PythonRunner checks a folded gradient region with."""
 
 import pytest
 import tensorflow as tf
@@ -36,3 +37,17 @@ def _frames(tb):
     while tb is not None:
         yield tb
         tb = tb.tb_next
+
+
+def test_gradient_flows_asks_the_registered_gradient_function():
+    f32, i32 = tf.float32.as_datatype_enum, tf.int32.as_datatype_enum
+    res = tf.resource.as_datatype_enum
+    matmul_attrs = opdefs.normalize_attrs("MatMul", ("T", f32))
+    assert opdefs.gradient_flows("MatMul", matmul_attrs, (f32, f32)) == (True, True)
+    assert opdefs.gradient_flows("ReadVariableOp", (("dtype", f32),), (res,)) == (True,)
+    # registered, but its gradient function gives None: no gradient reaches the input
+    assert opdefs.gradient_flows("Round", (("T", f32),), (f32,)) == (False,)
+    assert opdefs.gradient_flows("StopGradient", (("T", f32),), (f32,)) == (False,)
+    # a gather differentiates its params, not its indices or axis
+    gather = (("Tparams", f32), ("Tindices", i32), ("Taxis", i32), ("batch_dims", 0))
+    assert opdefs.gradient_flows("GatherV2", gather, (f32, i32, i32)) == (True, False, False)
