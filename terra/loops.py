@@ -28,7 +28,7 @@ new one falls back, as before.
 
 import copy
 
-from terra.tracegraph import NodeKind, Slot, TraceGraph, TraceNode, relax
+from terra.tracegraph import NodeKind, Slot, TraceGraph, TraceNode, region_body, relax
 
 
 class _NotRollable(Exception):
@@ -210,13 +210,13 @@ class _Rolling:
             for g in nodes[1:]:
                 merged[g] = keep
                 dropped.add(g)
-                body = _region(g)
+                body = region_body(g)
                 dropped.update(body)
                 for r, r_keep in zip(g.results, keep.results, strict=True):
                     for part, part_keep in zip((r or ())[1:], (r_keep or ())[1:]):
                         if part is not None:
                             merged[part] = part_keep
-                merged[body[-1]] = _region(keep)[-1]  # where the region is left
+                merged[body[-1]] = region_body(keep)[-1]  # where the region is left
         new = copy.copy(graph)
         new.trips, new._by_key = {}, {}
         clone = {}
@@ -241,7 +241,7 @@ class _Rolling:
                 node, out = merged[(node, out)]
             return clone[node], out
 
-        region_of_merged = {n for g in self.grads for n in (g[0], *_region(g[0]))}
+        region_of_merged = {n for g in self.grads for n in (g[0], *region_body(g[0]))}
         try:
             for old, node in clone.items():
                 if old in rolled:
@@ -319,7 +319,7 @@ class _Rolling:
                         slot.alts + [out_of(n, out) for n, out in other.alts]))
             return
         node.observations = []  # used only for backward feeds (graph_builder._backward_feeds)
-        if any(s.kind == "feed" for b in _region(old) for s in b.inputs):
+        if any(s.kind == "feed" for b in region_body(old) for s in b.inputs):
             # backward values are looked up by what was fed before the call: in the copy a
             # rolled trip's ops stand for every trip, so only regions before the loop keep
             # their table
@@ -364,13 +364,3 @@ class _Pending:
 
     def __init__(self, j):
         self.j = j
-
-
-def _region(head):
-    """The backward ops of the gradient region ``head``, in the graph's order."""
-    body, n = [], head
-    for _ in range(head.body_len):
-        n = n.succs[0]
-        body.append(n)
-    return body
-

@@ -15,15 +15,18 @@ marks it for that gradient (``TraceNode.rolled``, as the regions merged through 
 are): it then serves every combination, traced or not. Only such calls: where a value has
 three or more consumers, TF's gradient may sum their contributions in another order than the
 tape, a last-bit difference that a recorded region does not have.
+
 Only regions whose tape recorded every forward op they differentiate (``TraceNode.taped``)
-and whose results have one structure are folded. Where TF's gradient cannot be built, or does
+and whose results have one structure are folded. The PythonRunner checks that each iteration
+reaches the sources the folded region has results for (TF's gradient gives zeros where the
+tape gives None). Where TF's gradient cannot be built, or does
 not give the tape's structure, the GraphGenerator generates again without that fold
 (``keep``), and the regions stay one per traced path, as before.
 """
 
 import copy
 
-from terra.tracegraph import NodeKind, TraceGraph
+from terra.tracegraph import NodeKind, TraceGraph, region_body
 
 
 def folded(node) -> bool:
@@ -70,22 +73,14 @@ def _structure(g):
     return results, tuple(s.kind for s in g.inputs)
 
 
-def _region(head):
-    body, n = [], head
-    for _ in range(head.body_len):
-        n = n.succs[0]
-        body.append(n)
-    return body
-
-
 def _copy(graph, groups):
     merged = {}  # (node, out) of a dropped region's result -> the kept region's
     stands_for = {}  # a dropped region's head and last op -> the kept region's
     dropped = set()
     for nodes in groups:
-        keep, keep_body = nodes[0], _region(nodes[0])
+        keep, keep_body = nodes[0], region_body(nodes[0])
         for g in nodes[1:]:
-            body = _region(g)
+            body = region_body(g)
             dropped.add(g)
             dropped.update(body)
             stands_for[g] = keep

@@ -627,7 +627,6 @@ class Runtime:
         else:
             category, reason = "graph error", str(why)
         self._note(f"fallback [{category}]", reason, user_location())
-
         runner.it = None
         self.graph = None
         self.phase = "tracing"

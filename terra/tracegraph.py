@@ -589,6 +589,16 @@ class TraceGraph:
         return "\n".join(lines)
 
 
+def region_body(head):
+    """The backward ops of the gradient region ``head`` (a loop node's body), in the graph's
+    order: the chain of ``body_len`` nodes after it."""
+    body, n = [], head
+    for _ in range(head.body_len):
+        n = n.succs[0]
+        body.append(n)
+    return body
+
+
 def periodic_runs(keys):
     """The loops in a sequence of keys: ``[(start, period, count)]`` for each maximal run
     ``keys[start:start + count * period]`` made of ``count >= 2`` repeats of its first
