@@ -113,7 +113,7 @@ class Step:
         self.attrs = node.attrs
         self.fp_attrs = None  # the raw fast-path attr tuple, learned on first validation
         self.slow_attrs = None  # the same for the slow path
-        self.slots = node.inputs
+        self.slots = [_settled(slot) for slot in node.inputs]
         self.feed = [None] * len(node.inputs)  # slot index -> Channel for feed slots
         self.out_specs = node.out_specs
         # the output shape follows a small integer fed from Python that took several values
@@ -225,10 +225,11 @@ def _plan(tracegraph):
             if node.kind is NodeKind.GRAD:
                 steps[last].owner = step
         if node.kind is NodeKind.GRAD and not node.rolled:
-            step.cone_phis = tuple(
+            step.cone_phis = tuple(  # a settled input reads one value whoever read it first
                 (slot, k if n is None else None, (p, out))
                 for (n, k), (_, p, out) in node.cone.items()
-                if len((slot := (node if n is None else n).inputs[k]).alts) > 1)
+                if len((slot := (node if n is None else n).inputs[k]).alts) > 1
+                and _settled(slot) is slot)
     return start, steps
 
 
@@ -300,6 +301,22 @@ def _link(tracegraph, start, steps, puts, conds):
         step.next = [target for target, _ in found]
         if any(p for _, p in found):
             step.puts = [tuple(p) for _, p in found]
+
+
+def _settled(slot):
+    """A ``same`` input (an external value an earlier op of the iteration read first) whose
+    first readers all read one captured tensor, or one constant: that capture or constant
+    itself. Which op reads such a value first depends on the path (a mask read on both sides
+    of two random choices); as a ``same`` input, a combination of branches no trace took
+    would find its first reader had not run, and fall back."""
+    if slot.kind != "same":
+        return slot
+    firsts = [node.inputs[k] for node, k in slot.alts]
+    if all(f.kind == "capture" for f in firsts) and len({f.tensor._id for f in firsts}) == 1 \
+            or all(f.kind == "const" for f in firsts) and len(
+                {(f.value.shape, f.value_bytes) for f in firsts}) == 1:
+        return firsts[0]
+    return slot
 
 
 def _small_int_feed(slot):
