@@ -77,3 +77,34 @@ def test_a_backward_op_read_after_the_call_keeps_the_regions_apart():
 
     g = merged(leaky(5, "Tanh"), leaky(7, "Sigmoid"))
     assert regions.fold(g, {grads(g)[0].key}) is g
+
+
+def two_point_trace(sides):
+    """Two branch points (lines 5/7 and 12/14) with an op between them where the paths merge
+    back, ``loss = Square(h)`` and a gradient call whose region differs per combination."""
+    enter = OpRecord("mark", "enter", (), [], (), at(1)[0])
+    enter.site = at(1)[1]
+    first = {"a": (5, "Tanh"), "b": (7, "Sigmoid")}[sides[0]]
+    second = {"a": (12, "Relu"), "b": (14, "Softplus")}[sides[1]]
+    recs = [enter, op_at(at(first[0]), first[1], ext(np.ones((4, 3)))),
+            op_at(at(10), "Neg", ("op", 1, 0)),
+            op_at(at(second[0]), second[1], ("op", 2, 0)),
+            op_at(at(16), "Square", ("op", 3, 0))]
+    head = grad_head(1, ("op", 4, 0))
+    head.location, head.site = at(17)
+    head.results = [("t", ("op", 6, 0))]
+    return recs + [head, op_at(at(17), "Exp", ("op", 4, 0)),
+                   op_at(at(18), "Mul", ("op", 6, 0), ("op", 6, 0))]
+
+
+def test_a_new_combination_of_known_branches_is_covered_once_the_call_folds():
+    g = merged(*[two_point_trace(s) for s in ("aa", "bb", "aa", "bb")])
+    [call] = {n.key for n in grads(g)}
+    covered, _ = g.merge(two_point_trace("ab"))  # only the gradient region is new
+    assert not covered
+    g = merged(*[two_point_trace(s) for s in ("aa", "bb", "aa", "bb")])
+    covered, _ = g.merge(two_point_trace("ab"), any_path={call})
+    assert covered and len(grads(g)) == 3, str(g)  # the region is added all the same
+    covered, _ = g.merge(two_point_trace("ba"), any_path={call})
+    assert covered, str(g)
+    g.lint()
