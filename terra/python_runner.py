@@ -49,6 +49,16 @@ class Mismatch(Exception):
         self.category = category
 
 
+class RegionMissed(Mismatch):
+    """No gradient region of the call ``call`` (a key) was recorded for this iteration's
+    forward pass, or for its shapes: a call that keeps missing gets one region for every
+    path (``regions.fold``, ``Config.fold_after``)."""
+
+    def __init__(self, reason: str, call, category: str):
+        super().__init__(reason, category)
+        self.call = call
+
+
 class PathEnded(Mismatch):
     """An op arrived after the whole recorded path had been matched: the loop is over, or
     this iteration does more than the traced ones did after their last recorded op."""
@@ -262,16 +272,17 @@ class PythonRunner:
             raise Mismatch("gradient call with different arguments", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
         if not self._same_cone(step, inputs):
-            raise Mismatch("the forward pass this gradient differentiates took a path its "
-                           "recorded gradients were not computed for", "new producer")
+            raise RegionMissed("the forward pass this gradient differentiates took a path its "
+                               "recorded gradients were not computed for", step.node.key,
+                               "new producer")
         if step.any_path and self._unreached_source(step, inputs):
             raise Mismatch("this iteration's forward pass does not reach a source the "
                            "gradient region gives a gradient for (eager gives None there)",
                            "new producer")
         values = self._backward_values(step)
         if values is False:
-            raise Mismatch("the backward pass needs values for inputs of shapes (or small "
-                           "values) no trace had", "shape change")
+            raise RegionMissed("the backward pass needs values for inputs of shapes (or small "
+                               "values) no trace had", step.node.key, "shape change")
         if values is not None:
             for channel, value in zip(step.backward_feeds[0], values):
                 channel.put(value)

@@ -36,10 +36,9 @@ def folded(node) -> bool:
 
 def fold(tracegraph: TraceGraph, calls, keep=frozenset()):
     """A copy of ``tracegraph`` with the regions of each gradient call in ``calls`` (by key)
-    folded into one, or ``tracegraph`` itself if none has two foldable regions. ``keep``:
-    groups (by the fold key, ``("fold", head id)`` of the region kept) that stay apart."""
-    groups = [g for g in _groups(tracegraph)
-              if g[0].key in calls and ("fold", g[0].id) not in keep]
+    folded into one, or ``tracegraph`` itself if no call's regions can be. ``keep``: groups
+    (by the fold key, ``("fold", head id)`` of the region kept) that stay apart."""
+    groups = [g for g in _groups(tracegraph, calls) if ("fold", g[0].id) not in keep]
     if not groups:
         return tracegraph
     try:
@@ -51,15 +50,17 @@ def fold(tracegraph: TraceGraph, calls, keep=frozenset()):
     return new
 
 
-def _groups(tracegraph):
-    """Regions of the same call (one key) that can be one, each group in graph order."""
+def _groups(tracegraph, calls):
+    """The regions of each call in ``calls`` that can be one, in graph order (a call with one
+    region too: it becomes TF's gradient, which serves the shapes no trace had as well)."""
     by_key = {}
     for node in tracegraph.nodes:
-        if node.kind is NodeKind.GRAD and not node.in_body and node.rolled is None:
+        if node.kind is NodeKind.GRAD and not node.in_body and node.rolled is None and \
+                node.key in calls:
             by_key.setdefault(node.key, []).append(node)
     groups = []
     for nodes in by_key.values():
-        if len(nodes) < 2 or not all(g.taped for g in nodes):
+        if not all(g.taped for g in nodes):
             continue
         if len({_structure(g) for g in nodes}) == 1:
             groups.append(nodes)

@@ -36,6 +36,7 @@ from terra.python_runner import (
     PathEnded,
     PythonRunner,
     RanThenMismatch,
+    RegionMissed,
 )
 from terra.trace import Recorder
 from terra.tracegraph import NodeKind, TraceGraph
@@ -205,10 +206,11 @@ class Runtime:
             log.addHandler(logging.StreamHandler())
             log.setLevel(logging.INFO)
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
-        # gradient calls (by key) -> regions recorded for them after the first graph was
-        # built (a forward path none of their regions was recorded for): past
-        # config.fold_after, one region serves every path (terra.regions)
+        # gradient calls (by key) -> iterations, after the first graph was built, that none
+        # of their regions was recorded for (a fallback at the call, or a trace that added a
+        # region): past config.fold_after, one region serves every path (terra.regions)
         self.region_misses = {}
+        self._missed = None  # the call this iteration fell back at, counted already
         self.ledger = budget.Ledger(budget=config.budget)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
         self._generation_time = 0.0  # of the iteration that is ending
@@ -318,6 +320,7 @@ class Runtime:
 
     def _begin_iteration(self):
         began = time.perf_counter()
+        self._missed = None
         self.sites.begin_iteration()
         s = self.stats
         s.iterations += 1
@@ -448,18 +451,21 @@ class Runtime:
         return {key for key, n in self.region_misses.items() if n >= config.fold_after}
 
     def _count_region_misses(self, before):
-        """Count the regions the trace added to gradient calls a graph was built for."""
+        """Count the iteration as a miss of each gradient call (of a graph already built)
+        its trace added a region to, unless it fell back at that call (counted then)."""
+        missed, self._missed = self._missed, None
         for key, n in self.tracegraph.regions().items():
-            added = n - before.get(key, 0)
-            if added <= 0 or not before.get(key):
-                continue
-            misses = self.region_misses[key] = self.region_misses.get(key, 0) + added
-            if misses - added < config.fold_after <= misses:
-                self._note("one gradient region for every forward path", f"{misses} forward "
-                           "paths no region of this gradient call was recorded for came after "
-                           "the graph was built: the next graph takes TF's gradient through "
-                           "the switch-cases there (terra.regions)",
-                           self.tracegraph.region_location(key))
+            if n > before.get(key, 0) and before.get(key) and key != missed:
+                self._region_missed(key)
+
+    def _region_missed(self, key):
+        misses = self.region_misses[key] = self.region_misses.get(key, 0) + 1
+        if misses == config.fold_after:
+            self._note("one gradient region for every forward path", f"{misses} iterations "
+                       "after the graph was built took forward paths or shapes no region of "
+                       "this gradient call was recorded for: the next graph takes TF's "
+                       "gradient through the switch-cases there (terra.regions)",
+                       self.tracegraph.region_location(key))
 
     def _generate(self):
         t0 = time.perf_counter()
@@ -627,6 +633,9 @@ class Runtime:
         else:
             category, reason = "graph error", str(why)
         self._note(f"fallback [{category}]", reason, user_location())
+        if isinstance(why, RegionMissed):
+            self._missed = why.call
+            self._region_missed(why.call)
         runner.it = None
         self.graph = None
         self.phase = "tracing"

@@ -600,3 +600,32 @@ def test_a_fixed_tensor_read_first_on_another_path_is_the_same_capture():
                                    len(plan), max_traces=7, expect_fallbacks=(0, 1),
                                    min_coexecuted=8)
     assert "a different tensor" not in outcome.explain, outcome.report()
+
+
+def branch_and_batch_sizes(tape_cls, steps):
+    """A branch on the step's parity and a batch size cycling through three: a region per
+    branch, each recorded for the batch sizes its traces had (its backward values, a mean's
+    count, depend on them), and a new (branch, size) pair fell back, six pairs in all."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 16, 8, 4)
+    w = tf.Variable(tf.random.normal((8, 8), seed=1) * 0.3)
+    head = tf.Variable(tf.random.normal((8, 4), seed=3) * 0.3)
+    optimizer = tf.keras.optimizers.SGD(0.1)
+    losses = []
+    for step in range(steps):
+        size = (16, 12, 8)[step % 3]
+        x, y = (a[:size] for a in batch(data, step, 16))
+        with tape_cls() as tape:
+            h = x @ w
+            h = tf.nn.relu(h) if step % 2 else tf.tanh(h) * 0.5
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, h @ head))
+        grads = tape.gradient(loss, [w, head])
+        optimizer.apply_gradients(zip(grads, [w, head]))
+        losses.append(float(loss))
+    return {"losses": losses, "variables": [w, head]}
+
+
+def test_a_gradient_call_missing_shapes_on_branching_paths_folds():
+    outcome = assert_same_as_eager(branch_and_batch_sizes, 20, max_traces=8,
+                                   expect_fallbacks=(1, 2), min_coexecuted=10)
+    assert FOLDED in outcome.explain, outcome.report()
