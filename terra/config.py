@@ -68,10 +68,11 @@ class Config:
         (a target network synced every few steps, one new shape) settles after one or two; one
         whose paths keep coming, or whose graph is costly to build, waits, running eagerly,
         until the budget affords the next (``terra.budget``).
-      fold_after: once this many forward paths (combinations of branches) none of a
-        gradient call's regions was recorded for came after a graph was built (each costs a
-        fallback or a longer trace), the call's regions become one, TF's gradient through the
-        switch-cases, which serves every combination (``terra.regions``). Its rounding may
+      fold_after: once this many iterations after a graph was built took a forward path (a
+        combination of branches) or shapes none of a gradient call's regions was recorded for
+        (each costs a fallback or a longer trace), the call's regions become one, TF's
+        gradient through the switch-cases, which serves every combination and shape
+        (``terra.regions``). Its rounding may
         differ from the tape's in the last bit where a value has three or more consumers
         (the sum's order), so a call that does not keep meeting new paths keeps the regions
         the tape recorded, which are bit-exact.
