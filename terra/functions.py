@@ -20,6 +20,8 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager.polymorphic_function import concrete_function
 from tensorflow.python.ops import gradients_util, resource_variable_ops
 
+from terra import opdefs
+
 _FORWARD_PREFIX = "__forward_"  # TF's name for a forward function
 _INFERENCE_PREFIX = "__inference_"  # and for an inference function
 _FRAMES = 4  # frames above ``record_operation`` searched for TF's gradient functions object
@@ -83,7 +85,7 @@ def forward_instead(op_type, num_outputs: int, inputs):
     calls = getattr(_local, "calls", None)
     if not calls:  # the common case, first: every eager slow-path op asks
         return None
-    op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
+    op_type = opdefs.op_name(op_type)
     if not op_type.startswith(_INFERENCE_PREFIX):
         return None
     concrete, stopped = calls[-1]

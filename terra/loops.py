@@ -28,7 +28,16 @@ new one falls back, as before.
 
 import copy
 
-from terra.tracegraph import NodeKind, Slot, TraceGraph, TraceNode, region_body, relax
+from terra.tracegraph import (
+    NodeKind,
+    Slot,
+    TraceGraph,
+    TraceNode,
+    region_body,
+    relax,
+    result_map,
+    result_structure,
+)
 
 
 class _NotRollable(Exception):
@@ -193,9 +202,7 @@ class _Rolling:
             if not all(g.taped for g in nodes):
                 raise _NotRollable("a gradient through the loop differentiates ops its tape "
                                    "did not record")
-            shapes = {tuple(None if r is None else (r[0], tuple(q is None for q in r[1:]))
-                            for r in g.results) for g in nodes}
-            if len(shapes) > 1:
+            if len({result_structure(g) for g in nodes}) > 1:
                 raise _NotRollable("gradients through the loop differ in their results")
         return list(groups.values())
 
@@ -212,23 +219,9 @@ class _Rolling:
                 dropped.add(g)
                 body = region_body(g)
                 dropped.update(body)
-                for r, r_keep in zip(g.results, keep.results, strict=True):
-                    for part, part_keep in zip((r or ())[1:], (r_keep or ())[1:]):
-                        if part is not None:
-                            merged[part] = part_keep
+                merged.update(result_map(g, keep))
                 merged[body[-1]] = region_body(keep)[-1]  # where the region is left
-        new = copy.copy(graph)
-        new.trips, new._by_key = {}, {}
-        clone = {}
-        for n in graph.nodes:
-            if n not in dropped:
-                clone[n] = copy.copy(n)
-                clone[n].succs, clone[n].preds = [], []
-        for node in clone.values():  # an earlier loop's nodes refer to its copied head
-            if node.loop is not None:
-                node.loop = clone[node.loop]
-            if node.kind is NodeKind.LOOP:
-                node.carried = [(clone[b], out) for b, out in node.carried]
+        new, clone = graph.copy_without(dropped)
         for j, n in enumerate(c[p]):
             clone[n] = self.body[j]  # edges into the first rolled trip reach the body
         new.start, new.end = clone[graph.start], clone[graph.end]

@@ -26,7 +26,13 @@ not give the tape's structure, the GraphGenerator generates again without that f
 
 import copy
 
-from terra.tracegraph import NodeKind, TraceGraph, region_body
+from terra.tracegraph import (
+    NodeKind,
+    TraceGraph,
+    region_body,
+    result_map,
+    result_structure,
+)
 
 
 def folded(node) -> bool:
@@ -69,9 +75,7 @@ def _groups(tracegraph, calls):
 
 def _structure(g):
     """What folded regions must share: their results' structure and their inputs' kinds."""
-    results = tuple(None if r is None else (r[0], tuple(q is None for q in r[1:]))
-                    for r in g.results)
-    return results, tuple(s.kind for s in g.inputs)
+    return result_structure(g), tuple(s.kind for s in g.inputs)
 
 
 def _copy(graph, groups):
@@ -86,22 +90,8 @@ def _copy(graph, groups):
             dropped.update(body)
             stands_for[g] = keep
             stands_for[body[-1] if body else g] = keep_body[-1] if keep_body else keep
-            for r, r_keep in zip(g.results, keep.results, strict=True):
-                for part, part_keep in zip((r or ())[1:], (r_keep or ())[1:]):
-                    if part is not None:
-                        merged[part] = part_keep
-    new = copy.copy(graph)
-    new.trips, new._by_key = {}, {}
-    clone = {}
-    for n in graph.nodes:
-        if n not in dropped:
-            clone[n] = copy.copy(n)
-            clone[n].succs, clone[n].preds = [], []
-    for node in clone.values():
-        if node.loop is not None:
-            node.loop = clone[node.loop]
-        if node.kind is NodeKind.LOOP:
-            node.carried = [(clone[b], out) for b, out in node.carried]
+            merged.update(result_map(g, keep))
+    new, clone = graph.copy_without(dropped)
     new.start, new.end = clone[graph.start], clone[graph.end]
 
     def out_of(node, out):

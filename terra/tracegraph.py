@@ -17,6 +17,7 @@ the PythonRunner can validate them soundly:
   is validated against the shapes seen (a varying dimension is relaxed in the graph).
 """
 
+import copy
 import enum
 import itertools
 
@@ -562,6 +563,25 @@ class TraceGraph:
             for slot in n.inputs:
                 assert all(p in self.nodes for p, _ in slot.alts), f"{n!r} dangling input"
 
+    def copy_without(self, dropped):
+        """A copy to transform (``terra.loops``, ``terra.regions``): every node but
+        ``dropped``, copied without edges (the caller links them), and the old node -> copy
+        map. Loop nodes and their bodies refer to each other's copies. The copy is generated
+        from, never merged into: it has no merge state."""
+        new = copy.copy(self)
+        new.trips, new._by_key = {}, {}
+        clone = {}
+        for n in self.nodes:
+            if n not in dropped:
+                clone[n] = copy.copy(n)
+                clone[n].succs, clone[n].preds = [], []
+        for node in clone.values():  # an earlier loop's nodes refer to its copied head
+            if node.loop is not None:
+                node.loop = clone[node.loop]
+            if node.kind is NodeKind.LOOP:
+                node.carried = [(clone[b], out) for b, out in node.carried]
+        return new, clone
+
     def regions(self) -> dict:
         """How many gradient regions each gradient call (by key) has: one per forward path
         it was recorded after."""
@@ -597,6 +617,20 @@ def region_body(head):
         n = n.succs[0]
         body.append(n)
     return body
+
+
+def result_structure(region):
+    """What regions of one call made one must share: per source, None, or the result's kind
+    and which of its parts are None."""
+    return tuple(None if r is None else (r[0], tuple(q is None for q in r[1:]))
+                 for r in region.results)
+
+
+def result_map(region, kept):
+    """``(node, out)`` of each result of the gradient region ``region`` -> the same result of
+    ``kept``, for regions of one call made one."""
+    return {part: part_kept for r, r_kept in zip(region.results, kept.results, strict=True)
+            for part, part_kept in zip((r or ())[1:], (r_kept or ())[1:]) if part is not None}
 
 
 def periodic_runs(keys):
