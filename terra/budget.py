@@ -35,6 +35,8 @@ class Ledger:
     eager: list = dataclasses.field(default_factory=list)
     traced: list = dataclasses.field(default_factory=list)
     coexecuted: list = dataclasses.field(default_factory=list)
+    # iterations that began in the graph: co-executed, or fell back (a detour among them)
+    in_graph: list = dataclasses.field(default_factory=list)
     spent: float = 0.0
     saved: float = 0.0
     iterations: int = 0
@@ -72,6 +74,8 @@ class Ledger:
         ref = self.reference()
         if ref is None:
             return
+        if kind in ("coexecuted", "fell back"):
+            self.in_graph.append(seconds)
         if kind == "coexecuted":
             self.coexecuted.append(seconds)
             self.saved += ref - seconds
@@ -103,9 +107,11 @@ class Ledger:
         return debt <= self.budget * ref * self.iterations
 
     def faster(self) -> bool:
-        """Whether recent co-executed iterations beat eager's time."""
+        """Whether recent iterations run in the graph beat eager's time. Those that fell
+        back count too: a graph kept while one site keeps failing (a detour) must earn
+        more in the iterations it serves than the detours cost."""
         ref = self.reference()
-        recent = self.coexecuted[-self.window:]
+        recent = self.in_graph[-self.window:]
         return ref is not None and bool(recent) and statistics.median(recent) < ref
 
     def verdict(self):

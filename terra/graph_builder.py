@@ -63,7 +63,7 @@ from tensorflow.python.ops import (
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import _pywrap_util_port, compat
 
-from terra import opdefs, regions
+from terra import opdefs, queues, regions
 from terra.case_assignment import assign_cases
 from terra.loops import roll
 from terra.queues import Channel
@@ -156,6 +156,26 @@ class SymbolicGraph:
             attrs["config_proto"] = _with_rewriters_off(attrs["config_proto"], rewriters_off)
         self.call_attrs = tuple(itertools.chain(*attrs.items()))
         self.snapshot_fn = _snapshot_function(written)
+
+    def rewind(self):
+        """Make the graph ready for a new iteration after one was abandoned mid-way (a
+        cancelled job): its channels drained and counted from zero, as the steps' visits.
+        A completed iteration leaves them so by itself (``PythonRunner.finish``)."""
+        queues.settle()
+        steps = list(self.steps.values())
+        for step in steps:
+            steps.extend(step.body)
+        channels = {id(c): c for _, c in self.switch_cases if c is not None}
+        for step in steps:
+            step.visits = 0
+            found = [*step.feed, *step.out_feed, *step.fetch]
+            if step.backward_feeds:
+                found += step.backward_feeds[0]
+            for puts in step.puts or ():
+                found += [c for c, _ in puts]
+            channels.update((id(c), c) for c in found if c is not None)
+        for channel in channels.values():
+            channel.drain()
 
     def __str__(self):
         steps = self.steps.values()

@@ -186,6 +186,13 @@ class PythonRunner:
             it.signature = []
         self.cur = self.graph.start
 
+    def rewind(self):
+        """The graph is kept after an abandoned iteration (a detour): empty its channels, and
+        give the wait a manager that was not cancelled."""
+        self.graph.rewind()
+        self.wait_cm = cancellation.CancellationManager()
+        self.cur = self.graph.start
+
     def at_end(self) -> bool:
         """Whether the iteration may end here: a recorded iteration ended at this step."""
         return None in self.cur.next

@@ -59,6 +59,16 @@ class Channel:
         self.taken += 1
         return out[0]
 
+    def drain(self):
+        """Empty the queue and count from zero again: a cancelled iteration may have left
+        values in it that no later iteration must read (feeds the graph never took, fetches
+        Python never asked for). Call only while no job runs and after :func:`settle`."""
+        ctx = context.context()
+        left = execute.quick_execute("QueueSizeV2", 1, [self.handle], (), ctx)[0].numpy()
+        for _ in range(int(left)):
+            execute.quick_execute("QueueDequeueV2", 1, [self.handle], self._attrs, ctx)
+        self.taken = 0
+
     def get_nth(self, n, cancellation_manager):
         """The value with index ``n`` (0-based, in enqueue order), skipping older ones."""
         with self.lock:
@@ -68,3 +78,8 @@ class Channel:
             while self.taken <= n:
                 value = self.get(cancellation_manager)
             return value
+
+
+def settle():
+    """Wait until every value put so far is in its queue (puts run on an async executor)."""
+    _feeder.wait()

@@ -6,7 +6,9 @@ Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first 
 (eager while TF instantiates the new graph in the background, ``terra.background``),
 ``coexecution`` (PythonRunner + GraphRunner), ``waiting`` (eager until the cost budget affords
 building the graph again) and ``eager`` when the TraceGraph cannot be co-executed
-(``explain()`` says why). A fallback returns from co-execution to tracing mid-iteration.
+(``explain()`` says why). A fallback returns from co-execution to tracing mid-iteration,
+or, where building the graph again would not pay, to ``detour``: the rest of that iteration
+runs eagerly and untraced, and the next one co-executes with the graph kept.
 """
 
 import dataclasses
@@ -211,6 +213,7 @@ class Runtime:
         # region): past config.fold_after, one region serves every path (terra.regions)
         self.region_misses = {}
         self._missed = None  # the call this iteration fell back at, counted already
+        self._detoured = {}  # user file:line -> iterations that ran eagerly from there
         self.ledger = budget.Ledger(budget=config.budget)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
         self._generation_time = 0.0  # of the iteration that is ending
@@ -358,6 +361,8 @@ class Runtime:
             self.fail_safe(err)
         if self.phase == "tracing" and self.recorder is not None:
             self._finish_trace()
+        elif self.phase == "detour":  # the graph was kept: the next iteration co-executes
+            self.phase = "coexecution"
 
     def _close_iteration(self):
         """The whole path was matched: sweep the iteration's stand-ins (falling back if one
@@ -633,22 +638,55 @@ class Runtime:
         else:
             category, reason = "graph error", str(why)
         self._note(f"fallback [{category}]", reason, user_location())
+        detour = self._detour(why, category)
         if isinstance(why, RegionMissed):
             self._missed = why.call
             self._region_missed(why.call)
         runner.it = None
-        self.graph = None
-        self.phase = "tracing"
-        self._start_recording()
+        if detour:
+            runner.rewind()
+            self.phase = "detour"
+            self.recorder = Recorder(_tensors, _original_numpy, self.sites)  # not installed
+            self.recorder.aborted = True  # nothing of the replay is recorded or merged
+            interception.set_handler(self.tracing_door)
+            self._note_detour(where)
+        else:
+            self.graph = None
+            self.phase = "tracing"
+            self._start_recording()
         try:
             fallback_lib.replay(it.log, self.recorder, self.open_tapes, it.customs)
         finally:
             runner.sweep(it)
             it.release()
+            if detour:
+                self.recorder = None
         if isinstance(why, GraphFailed) and why.at_end:
             # Python issued every op and eager ran them all without an error: the numbers
             # are eager's, but the graph should not have failed. Say so in explain().
             self._note("graph error not reproduced eagerly", str(why))
+
+    def _detour(self, why, category) -> bool:
+        """Whether this fallback keeps the graph: the iteration goes on eagerly from here,
+        untraced, and the next one co-executes again. Taken where building the graph again
+        for the new path would not pay (past the free rebuilds, over the budget) and the
+        previous iteration co-executed, so the graph still serves the program: a site that
+        keeps failing then costs the iterations that reach it, not the whole run. Two in a
+        row mean the path has changed: that fallback traces, as any other."""
+        s = self.stats
+        return (isinstance(why, Mismatch) and category != "terra error"
+                and self.fallbacks_in_a_row == 1 and s.graph_generations > 0
+                and not self.ledger.rebuild_allowed(s.graph_generations - 1,
+                                                    config.free_rebuilds))
+
+    def _note_detour(self, where):
+        at = f"{where.file}:{where.line}" if where else "?"
+        first = at not in self._detoured
+        self._detoured[at] = self._detoured.get(at, 0) + 1
+        if first:
+            self._note("detour", "a new path where building the graph again would cost more "
+                       "than the budget affords: this iteration runs eagerly from here, the "
+                       "graph is kept for the next (see the cost ledger)", where)
 
     def _abandon(self, why, stuck):
         """The graph neither answered nor stopped when cancelled (a kernel that never returns):

@@ -338,3 +338,46 @@ def test_a_fallback_site_is_a_warning_once(caplog):
     assert len([w for w in warnings if w.startswith("Terra fallback")]) == 1, warnings
     assert "test_fail_safe_differential.py:" in warnings[0], warnings
     assert outcome.stats.fallbacks == 1 or any(i.startswith("Terra fallback") for i in infos)
+
+
+RARE_TERMS = (tf.square, tf.abs, tf.sin, tf.cos, tf.tanh, tf.sigmoid, tf.exp, tf.math.softplus)
+
+
+def rare_new_paths(tape_cls, steps):
+    """Every fourth step from step 8 on adds a loss term never seen before (a site that
+    keeps failing), on a budget that affords no graph but the first: the graph is kept and
+    only those iterations run eagerly (from the site on)."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+            if step >= 8 and step % 4 == 0:
+                term = RARE_TERMS[(step // 4 - 2) % len(RARE_TERMS)]
+                loss = loss + 0.01 * tf.reduce_mean(term(model.trainable_variables[0]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, **state(model, optimizer)}
+
+
+def test_a_site_that_keeps_failing_runs_eagerly_while_other_iterations_coexecute(monkeypatch):
+    from terra import budget
+
+    def program(tape_cls, steps):
+        if tape_cls is terra.TerraGradientTape:  # no rebuild is ever affordable
+            terra.configure(free_rebuilds=0)
+            monkeypatch.setattr(budget.Ledger, "affordable", lambda self: False)
+        try:
+            return rare_new_paths(tape_cls, steps)
+        finally:
+            terra.configure(free_rebuilds=2)
+
+    outcome = assert_same_as_eager(program, 30, expect_fallbacks=6, max_traces=2)
+    s = outcome.stats
+    # steps 8, 12, ..., 28 detour; the other 21 after the warm-up and two traces co-execute
+    assert s.phase == "coexecution" and s.graph_generations == 1, outcome.report()
+    assert s.coexecuted == 30 - 3 - 6, outcome.report()
+    assert "detour" in outcome.explain and "fallbacks at " in outcome.explain, outcome.report()
+    assert "test_fail_safe_differential.py:" in outcome.explain.split("detour", 1)[1]
