@@ -63,11 +63,13 @@ class Config:
         prints to stderr: 0, a warning the first time a site falls back and when Terra runs
         eagerly for good or fails itself; 1, every event ``explain()`` lists, as it happens.
         Standard ``logging`` configuration of the ``terra`` logger works as usual.
-      free_rebuilds: graphs built again after a fallback without asking the budget, if the
-        last generation took at most 20 eager iterations: a program with a late path or two
-        (a target network synced every few steps, one new shape) settles after one or two; one
-        whose paths keep coming, or whose graph is costly to build, waits, running eagerly,
-        until the budget affords the next (``terra.budget``).
+      free_rebuilds: (``TERRA_FREE_REBUILDS``) graphs built again after a fallback without
+        asking the budget, if the last generation took at most 20 eager iterations: a program
+        with a late path or two (a target network synced every few steps, one new shape)
+        settles after one or two; one whose paths keep coming, or whose graph is costly to
+        build, takes detours (the iteration that took the new path runs eagerly, the graph
+        is kept) or waits, running eagerly, until the budget affords the next
+        (``terra.budget``).
       fold_after: once this many iterations after a graph was built took a forward path (a
         combination of branches) or shapes none of a gradient call's regions was recorded for
         (each costs a fallback or a longer trace), the call's regions become one, TF's
@@ -113,6 +115,7 @@ class Config:
             freeze_gc=_env_flag("TERRA_FREEZE_GC", default=True),
             timeout=float(os.environ.get("TERRA_TIMEOUT", "120")),
             budget=float(os.environ.get("TERRA_BUDGET", "0.05")),
+            free_rebuilds=int(os.environ.get("TERRA_FREE_REBUILDS", "2")),
             verbosity=int(os.environ.get("TERRA_VERBOSITY", "0")),
         )
 
