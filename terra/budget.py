@@ -18,7 +18,9 @@ paths keep coming would otherwise pay a generation at every new one (seconds for
 graph, hundreds of eager steps). Until the ledger's debt plus the last generation's cost fits
 in the budget of the run so far, the runtime runs iterations eagerly (``waiting``), which costs
 nothing over eager, and traces again once it does: over a long run the graph is rebuilt, over a
-short one Terra stays within its budget.
+short one Terra stays within its budget. A fallback the ledger would not rebuild for, right
+after a co-executed iteration, keeps the graph instead (a detour: that iteration goes on
+eagerly, the next co-executes); a second in a row means the path changed, and waits.
 """
 
 import dataclasses

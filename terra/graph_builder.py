@@ -207,14 +207,26 @@ def _with_rewriters_off(serialized, names):
     return config.SerializeToString()
 
 
+_last_snapshot = [None, None]  # (key, function) of the last graph built
+
+
 def _snapshot_function(written):
+    """The function reading every variable the graph writes (what a fallback restores). A
+    graph built again for the same program writes the same variables: the last one is
+    reused (handles keyed by ``_id``, which TF never gives twice), saving a function trace
+    per rebuild; only the last is kept, so no program's variables outlive it here."""
     if not written:
         return None
+    key = tuple((h._id, dt) for h, dt in written)
+    if _last_snapshot[0] == key:
+        return _last_snapshot[1]
 
     def snapshot():
         return [gen_resource_variable_ops.read_variable_op(h, dt) for h, dt in written]
 
-    return def_function.function(snapshot, autograph=False).get_concrete_function()
+    fn = def_function.function(snapshot, autograph=False).get_concrete_function()
+    _last_snapshot[:] = key, fn
+    return fn
 
 
 def _var_dtype(node, handle):
