@@ -32,7 +32,6 @@ from terra.tracegraph import (
     NodeKind,
     Slot,
     TraceGraph,
-    TraceNode,
     region_body,
     relax,
     result_map,
@@ -97,7 +96,7 @@ class _Rolling:
         # trip index and position of the nodes from the last peeled trip on
         self.pos = {n: (t, j) for t in range(p - 1, len(c)) for j, n in enumerate(c[t])}
         self.rolled = {n for n, (t, _) in self.pos.items() if t >= p}
-        self.head = TraceNode(next(graph._ids), NodeKind.LOOP)
+        self.head = graph.fresh_node(NodeKind.LOOP)
         self.head.body_len = m
         self.head.location = c[p][0].location
         self.head.counts, self.head.peeled = tuple(ends), p
@@ -259,9 +258,8 @@ class _Rolling:
                     head.inputs.append(Slot("node", clone[c[p - 1][j]], out))
                     head.carried.append((body, out))
         self._edges(clone, merged, dropped)
-        new.nodes = [n for n in [clone.get(n) for n in graph.nodes] if n is not None] + \
-            [head]
-        new.nodes = list(dict.fromkeys(new.nodes))
+        new.set_nodes([n for n in [clone.get(n) for n in graph.nodes] if n is not None]
+                      + [head])
         return new, {old: n for old, n in clone.items() if old not in rolled}
 
     def _read(self, slot, out_of, in_merged_region):
@@ -341,13 +339,13 @@ class _Rolling:
             for s in old.succs:
                 if old in ends and s in pos:  # into the next trip
                     if pos[old][0] == p - 1:
-                        TraceGraph._link(clone[old], head)
+                        TraceGraph.link(clone[old], head)
                     continue
                 a = body[-1] if old in ends else end_of(old)
                 b = end_of(s)
                 if a is not None and b is not None and a is not b:
-                    TraceGraph._link(a, b)
-        TraceGraph._link(head, body[0])
+                    TraceGraph.link(a, b)
+        TraceGraph.link(head, body[0])
 
 
 class _Pending:

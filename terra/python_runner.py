@@ -26,8 +26,8 @@ from tensorflow.python.ops import gen_optional_ops, resource_variable_ops
 from tensorflow.python.util import nest
 
 from terra import functions, interception, opdefs
-from terra.graph_builder import Step
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
+from terra.plan import Step
 from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
 
 _EagerTensor = ops.EagerTensor

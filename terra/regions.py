@@ -122,8 +122,8 @@ def _copy(graph, groups):
         for s in old.succs:
             a, b = end_of(old), end_of(s)
             if a is not None and b is not None and a is not b:
-                TraceGraph._link(a, b)
-    new.nodes = [clone[n] for n in graph.nodes if n in clone]
+                TraceGraph.link(a, b)
+    new.set_nodes([clone[n] for n in graph.nodes if n in clone])
     return new
 
 

@@ -345,7 +345,9 @@ class TraceGraph:
         return node
 
     @staticmethod
-    def _link(a, b):
+    def link(a, b):
+        """Add the edge ``a -> b`` (once): for the merge, and for the transformations that
+        link the nodes of a copy (``copy_without``)."""
         if b not in a.succs:
             a.succs.append(b)
             b.preds.append(a)
@@ -399,7 +401,7 @@ class TraceGraph:
                     if folded:
                         fresh.update(unit[0])
             in_graph_order, in_record_order = unit
-            self._link(cur, in_graph_order[0])
+            self.link(cur, in_graph_order[0])
             for j, node in enumerate(in_record_order, i):
                 self._observe(node, records[j])
                 self._absorb(node, records[j], records)
@@ -415,7 +417,7 @@ class TraceGraph:
                 node.taped = node.taped and _taped(records, i)
         if self.end not in cur.succs:
             covered = False
-            self._link(cur, self.end)
+            self.link(cur, self.end)
         for node in path:
             node.seen += 1
         self._note_trips(path)
@@ -467,7 +469,7 @@ class TraceGraph:
             node = self._add(records[j], mapped)
             node.in_body = j > i
             if unit:
-                self._link(unit[-1], node)
+                self.link(unit[-1], node)
             unit.append(node)
             mapped.append(node)
         if rec.kind == "grad":
@@ -562,6 +564,15 @@ class TraceGraph:
                 assert n in s.preds, f"{n!r}->{s!r} missing its reverse edge"
             for slot in n.inputs:
                 assert all(p in self.nodes for p, _ in slot.alts), f"{n!r} dangling input"
+
+    def fresh_node(self, kind) -> TraceNode:
+        """A node with an id no node of this graph has, not yet in any graph: a copy's new
+        node (``terra.loops``' loop node), listed by :meth:`set_nodes`."""
+        return TraceNode(next(self._ids), kind)
+
+    def set_nodes(self, nodes):
+        """The nodes of a copy (``copy_without``), in graph order, once they are linked."""
+        self.nodes = list(dict.fromkeys(nodes))
 
     def copy_without(self, dropped):
         """A copy to transform (``terra.loops``, ``terra.regions``): every node but

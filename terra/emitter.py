@@ -1,0 +1,540 @@
+"""Emission: the plan's steps as the ops of one ConcreteFunction (paper §3.2.2).
+
+Graph-side ops are recreated from their recorded type and attributes with ``create_op``;
+TF's automatic control dependencies order variable reads and writes as the trace did. Input
+Feeding points become ``QueueDequeueV2`` on a per-point queue, Output Fetching points
+``QueueEnqueueV2``; every dequeue waits for the enqueues of fetch points that precede it in
+Python's order (Fig. 3.4), so the graph never waits for a value Python can only produce after
+a fetch the graph has not served yet.
+
+Switch-cases with several cases become ``tf.switch_case``s whose index the PythonRunner
+feeds; values cross them as the ``tf.switch_case``'s outputs (a branch that did not compute
+a value returns a placeholder of its dtype and shape, never read). An input that joins paths
+(a ``phi`` slot) reads whichever of its producers ran last: in the graph, a running value
+each of them overwrites.
+
+One :class:`Emitter` per generation walks the plan with one dispatch on the step's kind
+(an op, a gradient region, a loop); an error while emitting a step is re-raised naming the
+node and the user's line that issued it.
+"""
+
+import collections
+import functools
+import itertools
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2, function_pb2
+from tensorflow.python.eager import context
+from tensorflow.python.framework import constant_op, dtypes, ops, tensor_shape, tensor_util
+from tensorflow.python.ops import (
+    array_ops,
+    control_flow_switch_case,
+    gen_array_ops,
+    gradients_impl,
+    math_ops,
+    while_loop,
+)
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import _pywrap_util_port, compat
+
+from terra import opdefs
+from terra.plan import shape_fn_decides
+from terra.queues import Channel
+from terra.tracegraph import NodeKind, relax
+
+_READ_ONLY_VAR_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
+                                "VariableShape"})
+# Outputs whose graph shape TF leaves unknown although it depends on nothing but the input
+# shapes (a kernel's scratch space): not data-dependent, so not fetched
+_SCRATCH_OUTPUTS = {"FusedBatchNormV3": frozenset({5}), "_FusedBatchNormEx": frozenset({5})}
+
+_ONEDNN = _pywrap_util_port.IsMklEnabled()
+
+# Grappler's rewrites that change how a value is rounded, off for an exact graph: constant
+# folding turns ``x / c`` into ``x * (1 / c)`` (a hard-swish's ``/ 6`` drifted MobileNetV3 off
+# eager), the arithmetic optimizer regroups sums and products and rewrites ``log(1 + x)`` as
+# ``log1p(x)``, and the remapper fuses patterns into oneDNN kernels (layer norm, GELU,
+# batch norm + activation) that compute them in another order.
+EXACT_OFF = frozenset({"constant_folding", "arithmetic_optimization", "remapping"})
+
+
+class NotSymbolic(Exception):
+    """TF's symbolic gradient of a region does not stand for its tape's: emit its recorded
+    backward ops instead."""
+
+    def __init__(self, node):
+        super().__init__(node)
+        self.node = node
+
+
+class KeepUnrolled(Exception):
+    """A loop's While, or TF's symbolic gradient through it, cannot be built: generate again
+    with that loop unrolled."""
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+
+
+class EmissionError(RuntimeError):
+    """An error while emitting one step: names the node, which ends with the user's line
+    that issued it (``TraceNode.format``)."""
+
+
+class Emitter:
+    """The body of one generation's function: every switch-case of the plan, in order.
+
+    ``steps``: the plan's Steps by node; ``planned``: ``[(SwitchCase, Case Select channel
+    or None, skip index or None)]``; ``exports``: per switch-case, the emission keys its
+    branches return; ``symbolic``: gradient heads emitted as TF's symbolic gradient;
+    ``wanted``: (node, out) whose values Python needs although no Python op reads them
+    directly (read by a Python-run op, or a gradient result whose shape varies); ``unseen``:
+    backward ops Python never sees; ``phi_of``, ``slots``: the phi slots each value
+    updates. After :meth:`__call__` has run (inside the function being traced), ``written``
+    holds the variables the graph writes."""
+
+    def __init__(self, name, steps, planned, exports, loops, conds, symbolic, wanted, unseen,
+                 phi_of, slots, xla, exact):
+        self.name = name
+        self.steps, self.planned, self.exports = steps, planned, exports
+        self.loops, self.conds = loops, conds
+        self.symbolic, self.wanted, self.unseen = symbolic, wanted, unseen
+        self.phi_of, self.slots = phi_of, slots
+        self.xla, self.exact = xla, exact
+        self.written = {}
+        self._segments = itertools.count()  # XLA scopes: a new one after every fetch
+        self._scope = None
+        self._looping = False  # emitting a loop's body
+        self._top = None
+        self._outer = {}  # id -> the top graph's capture of an eager tensor
+        self._consts = {}  # one Const op per value per graph (and XLA scope)
+        self._dispatch = {NodeKind.OP: self._emit_op, NodeKind.GRAD: self._emit_region,
+                          NodeKind.LOOP: self._emit_loop, NodeKind.MARK: _emit_nothing}
+
+    # -- the function's body ------------------------------------------------------------
+    def __call__(self):
+        self._top = ops.get_default_graph()
+        env = {}  # emission key -> graph tensor (see value_key)
+        last_fetch = []  # the fetches every later dequeue waits for (Fig. 3.4)
+        for (sc, channel, skip), keys in zip(self.planned, self.exports):
+            if channel is None:
+                self._emit_block(sc.cases[0].block, env, last_fetch)
+                continue
+            index = self._dequeue(channel, last_fetch)
+            fetched = []
+            branches = [self._branch(case.block, keys, env, fetched) for case in sc.cases]
+            if skip is not None:
+                branches.append(self._branch((), keys, env, fetched))
+            graph = ops.get_default_graph()
+            n_ops = len(graph.get_operations())
+            with ops.control_dependencies(last_fetch):
+                outs = control_flow_switch_case.switch_case(index, branches)
+            for key, t in zip(keys, outs or ()):
+                if key[0] == "v":  # only its producer's branch gives a value that is read
+                    t.set_shape(key[1].out_relaxed[key[2]])
+                env[key] = t
+            if any(fetched):
+                last_fetch[:] = [op for op in graph.get_operations()[n_ops:]
+                                 if op.type in ("Case", "StatelessCase")]
+
+    def _emit_block(self, block, env, last_fetch):
+        for head in block:
+            step = self.steps[head]
+            try:
+                self._dispatch[step.kind](step, env, last_fetch)
+            except (NotSymbolic, KeepUnrolled, EmissionError):
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised naming the node (torch.fx's way)
+                raise EmissionError(f"while emitting {step.node.format()}: "
+                                    f"{type(e).__name__}: {e}") from e
+
+    def _branch(self, block, keys, env, fetched):
+        """One case: its block, returning ``keys`` (placeholders where it has none)."""
+
+        def fn():
+            local = collections.ChainMap({}, env)
+            last_fetch = []
+            self._emit_block(block, local, last_fetch)
+            fetched.append(bool(last_fetch))
+            return [local[k] if k in local else _placeholder(*_spec(k, self.slots))
+                    for k in keys]
+
+        return fn
+
+    # -- the three kinds of step ----------------------------------------------------------
+    def _emit_op(self, step, env, last_fetch):
+        node = step.node
+        graph = ops.get_default_graph()
+        n_ops = len(graph.get_operations())
+        if step.python:
+            for k, channel in enumerate(step.out_feed):
+                if channel is not None:
+                    self._define(env, ("v", node, k), self._dequeue(channel, last_fetch))
+            return
+        inputs = [self._slot_tensor(step, i, slot, env, last_fetch)
+                  for i, slot in enumerate(step.slots)]
+        if opdefs.info(node.op_type).op_def is None:  # a tf.function's forward or backward
+            op = _call_function(graph, node, inputs)
+        else:
+            op = graph._create_op_internal(
+                node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
+        if self.exact:
+            _keep_eager_rounding([op])
+        if self.xla and not step.check_shapes and not self._looping:  # a new shape would
+            self._for_xla(graph, n_ops)  # recompile its cluster; a While is not clustered
+        if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
+            for slot in step.slots:
+                if slot.kind == "var":
+                    self.written.setdefault(slot.tensor._id,
+                                            (slot.tensor, _var_dtype(node, slot.tensor)))
+        for k, t in enumerate(op.outputs):  # decided for all outputs before any is
+            self._note_dynamic(step, k, t)  # emitted: a data-dependent op fetches every one
+        for k, t in enumerate(op.outputs):
+            self._output(step, k, t, env, last_fetch)
+
+    def _emit_region(self, step, env, last_fetch):
+        """A gradient region: its recorded backward ops, which Python skips, or TF's
+        symbolic gradient of the graph's forward ops."""
+        if step.node in self.symbolic:
+            self._emit_symbolic(step, env, last_fetch)
+            return
+        for body_step in step.body:
+            self._emit_op(body_step, env, last_fetch)
+
+    def _emit_symbolic(self, step, env, last_fetch):
+        """A region whose backward ops read values that change with shapes: TF's symbolic
+        gradient of the graph's forward ops, whose gradient functions compute those
+        values from the shapes at run time (``graph_builder``'s gradient regions pass)."""
+        node = step.node
+        graph = ops.get_default_graph()
+        n_ops = len(graph.get_operations())
+        _, n_target, n_sources, no_output_gradients, unconnected = node.attrs
+        tensors = [self._slot_tensor(step, i, slot, env, last_fetch)
+                   for i, slot in enumerate(step.slots)]
+        try:
+            grads = gradients_impl.gradients(
+                tensors[:n_target], tensors[n_target:n_target + n_sources],
+                None if no_output_gradients else tensors[n_target + n_sources:],
+                unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
+        except (LookupError, ValueError, TypeError) as e:  # e.g. an op with no gradient
+            raise NotSymbolic(node) from e
+        if self.exact:
+            _keep_eager_rounding(graph.get_operations()[n_ops:])
+        if self.xla and not any(self.steps[p].check_shapes for _, p, _ in node.cone.values()):
+            self._for_xla(graph, n_ops)
+        for result, g in zip(node.results, grads, strict=True):
+            parts = (None,) if g is None else (
+                (g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))
+            if result is None and g is None:
+                continue
+            if result is None or len(result) - 1 != len(parts) or any(
+                    (p is None) != (t is None) for p, t in zip(result[1:], parts)):
+                raise NotSymbolic(node)  # structured unlike the tape's gradient
+            for p, t in zip(result[1:], parts, strict=True):
+                if p is not None:
+                    self._output(self.steps[p[0]], p[1], t, env, last_fetch)
+
+    def _emit_loop(self, step, env, last_fetch):
+        """A loop node: a While whose Loop Cond the PythonRunner feeds after each trip
+        (and before the first rolled one). The loop variables are a token, which orders
+        a trip's dequeues after the previous trip's fetches (Fig. 3.4 across trips), and
+        the body's values read by the next trip or after the loop, starting from the
+        last peeled trip's."""
+        node = step.node
+        carried = node.carried
+        cond = self.conds[node]
+        with ops.control_dependencies(last_fetch):
+            token = array_ops.identity(constant_op.constant(0))
+        start_values = [env[value_key(slot)] for slot in node.inputs]
+        invariants = [tensor_shape.TensorShape([])] + [
+            tensor_shape.TensorShape(relax(b.out_relaxed[k], slot.alts[0][0].out_relaxed[k]))
+            .most_specific_compatible_shape(t.shape)
+            for (b, k), slot, t in zip(carried, node.inputs, start_values, strict=True)]
+        fetched = []
+
+        def go_on(token, *_):
+            return math_ops.not_equal(self._dequeue(cond, [token]), 0)
+
+        def trip(token, *values):
+            local = collections.ChainMap({}, env)
+            for (b, k), v in zip(carried, values, strict=True):
+                for sid in self.phi_of.get((b, k), ()):
+                    local[("phi", sid)] = v
+            trip_fetch = [token]
+            for body_step in step.body:
+                self._emit_op(body_step, local, trip_fetch)
+            fetched.append(trip_fetch[0] is not token)
+            with ops.control_dependencies(trip_fetch):
+                token = array_ops.identity(token)
+            return [token] + [local[("v", b, k)] for b, k in carried]
+
+        self._looping = True
+        try:
+            outs = while_loop.while_loop(
+                go_on, trip, [token] + start_values, shape_invariants=invariants,
+                parallel_iterations=1, return_same_structure=True)
+        except (ValueError, TypeError) as e:  # a value whose shape the body changes
+            raise KeepUnrolled(self.loops[node]) from e
+        finally:
+            self._looping = False
+        for (b, k), t in zip(carried, outs[1:], strict=True):
+            self._define(env, ("v", b, k), t)
+        if any(fetched):
+            last_fetch[:] = [outs[0].op]
+
+    # -- values -------------------------------------------------------------------------
+    def _captured(self, t):
+        c = self._outer.get(t._id)
+        if c is None:
+            # TF captures a small tensor as a Const made in the *default* graph: inside a
+            # switch-case's branch that is the branch's, and another branch reading the
+            # cached capture fails generation ("accessed from branch 1")
+            with self._top.as_default():
+                c = self._outer[t._id] = self._top.capture(t)
+        return c
+
+    def _dequeue(self, channel, last_fetch):
+        """The channel's next value, its relaxed shape stated by an ``EnsureShape`` op.
+
+        ``set_shape`` informs only this Python graph: TF infers the instantiated
+        function's shapes again from the ops' shape functions, and a dequeue's is unknown
+        (the captured queue handle carries no shapes). Grappler may recover the rank from
+        the consumers, but not where a switch-case's branches use one joined value as two
+        shapes (each applies it to its own variable): a fused Conv2D reading the dequeue
+        then recorded an unknown-rank input shape, which oneDNN's rewrite reads as rank 0,
+        a CHECK failure that aborts the process. ``EnsureShape``'s own shape function gives
+        the shape; at run time it checks what Python validated before feeding."""
+        with ops.control_dependencies(last_fetch):
+            op = ops.get_default_graph()._create_op_internal(
+                "QueueDequeueV2", [self._captured(channel.handle)],
+                attrs={"component_types": opdefs.attr_value("list(type)", [channel.dtype]),
+                       "timeout_ms": opdefs.attr_value("int", -1)})
+        t = op.outputs[0]
+        if channel.shape is not None:
+            t = array_ops.ensure_shape(t, channel.shape)
+        return t
+
+    def _enqueue(self, step, k, t, last_fetch):
+        shape = tuple(t.shape.as_list()) if t.shape.rank is not None else None
+        with ops.init_scope():  # the graph's shape: relaxed where observations differ
+            channel = Channel(t.dtype.as_datatype_enum, shape)
+        with ops.control_dependencies(last_fetch):
+            op = ops.get_default_graph()._create_op_internal(
+                "QueueEnqueueV2", [self._captured(channel.handle), t],
+                attrs={"Tcomponents": opdefs.attr_value("list(type)", [channel.dtype]),
+                       "timeout_ms": opdefs.attr_value("int", -1)})
+        last_fetch[:] = [op]
+        self._scope = None
+        step.fetch[k] = channel
+        step.has_fetch = True
+
+    def _define(self, env, key, t):
+        env[key] = t
+        for sid in self.phi_of.get(key[1:] if key[0] == "v" else key, ()):
+            env[("phi", sid)] = t
+
+    def _constant(self, value, dtype):
+        """A constant input: made once per value where the same graph reads it again (an
+        optimizer's hyperparameters, once per variable). TF-Agents' DQN graph had 167
+        constants among 589 ops, 34 after; generation makes each op in Python."""
+        array = np.asarray(value)
+        if array.dtype.hasobject:
+            return constant_op.constant(value, dtype=dtype)
+        key = (ops.get_default_graph(), self._scope, dtype, array.shape, array.dtype.str,
+               array.tobytes())
+        t = self._consts.get(key)
+        if t is None:
+            t = self._consts[key] = constant_op.constant(value, dtype=dtype)
+        return t
+
+    def _slot_tensor(self, step, i, slot, env, last_fetch):
+        if slot.kind in ("node", "same"):
+            return env[value_key(slot)]
+        if slot.kind in ("var", "capture"):
+            t = self._captured(slot.tensor)
+        elif slot.kind == "const":
+            t = self._constant(slot.value, slot.dtype)
+        else:
+            t = self._dequeue(step.feed[i], last_fetch)
+            if ops.get_default_graph() is not self._top:
+                # in a switch-case's branch: TF's gradient through the Case differentiates
+                # the branch with respect to all its inputs, the captured queue handle too,
+                # and a dequeue has no gradient. A value Python feeds has none either.
+                t = array_ops.stop_gradient(t)
+        self._define(env, ("s", step.node, i), t)
+        return t
+
+    def _for_xla(self, graph, n_ops):
+        """Mark the compute ops created since ``n_ops`` for XLA (section 3.12)."""
+        if self._scope is None:
+            self._scope = f"{self.name}_{next(self._segments)}".encode()
+        for created in graph.get_operations()[n_ops:]:
+            if not created.type.startswith("Queue") and not _draws_random(created) \
+                    and created.type != "StatefulPartitionedCall":  # _call_function's
+                _compile_with_xla(created, self._scope)
+
+    def _note_dynamic(self, step, k, t):
+        """Whether output ``k`` of ``step`` (``t`` in the graph) has a shape its input
+        shapes do not imply: the op's outputs are then fetched, not stood in for."""
+        node = step.node
+        if k in _SCRATCH_OUTPUTS.get(node.op_type, ()):
+            return
+        if not t.shape.is_fully_defined() and not step.check_shapes or node.data_dependent \
+                or step.check_shapes and k == 0 and not shape_fn_decides(node):
+            step.dynamic = True
+
+    def _output(self, step, k, t, env, last_fetch):
+        """Output ``k`` of ``step`` is ``t``: what later ops read, and a fetch if Python
+        reads it (or needs its data-dependent shape)."""
+        node = step.node
+        self._define(env, ("v", node, k), t)
+        if t.dtype.as_datatype_enum != step.out_specs[k][1]:
+            raise AssertionError(f"{node.format()}: graph dtype {t.dtype} differs")
+        self._note_dynamic(step, k, t)
+        wanted = k in node.fetched or k in node.escaped or (node, k) in self.wanted
+        if wanted or step.dynamic and node not in self.unseen:
+            value = tensor_util.constant_value(t) if wanted else None
+            if value is not None:
+                with ops.init_scope():
+                    step.static[k] = constant_op.constant(value)
+            else:
+                self._enqueue(step, k, t, last_fetch)
+
+
+def _emit_nothing(step, env, last_fetch):
+    """A tape mark: Python's alone, nothing in the graph."""
+
+
+def value_key(slot):
+    """The key under which emission keeps the graph value a ``node``/``same`` slot reads."""
+    if len(slot.alts) > 1:
+        return ("phi", id(slot))
+    node, out = slot.alts[0]
+    return ("v" if slot.kind == "node" else "s", node, out)
+
+
+def _spec(key, slots):
+    """(dtype enum, shape) of an emission key's value, for a branch's placeholder."""
+    if key[0] == "v":
+        return key[1].out_specs[key[2]][1], key[1].out_relaxed[key[2]]
+    if key[0] == "s":
+        slot = key[1].inputs[key[2]]
+        return slot.dtype, slot.shape
+    specs = [_spec(("v" if slots[key[1]].kind == "node" else "s", *p), slots)
+             for p in slots[key[1]].alts]
+    shape = specs[0][1]
+    for _, other in specs[1:]:
+        shape = relax(shape, other)
+    return specs[0][0], shape
+
+
+def exports_of(planned, steps):
+    """Per switch-case: the emission keys its branches must return (read by a later one)."""
+    sc_of = {}
+    for j, (sc, _, _) in enumerate(planned):
+        for case in sc.cases:
+            for head in case.block:
+                sc_of[head] = j
+                for body_step in steps[head].body:
+                    sc_of[body_step.node] = j
+    exports = [dict() for _ in planned]  # ordered sets
+    for node, step in steps.items():
+        for slot in step.slots:
+            if slot.kind not in ("node", "same"):
+                continue
+            key = value_key(slot)
+            for p, _ in slot.alts:
+                if sc_of[p] != sc_of[node]:
+                    exports[sc_of[p]][key] = None
+    return [list(e) for e in exports]
+
+
+def _var_dtype(node, handle):
+    """The dtype of the variable behind ``handle``: from its handle data (an eager handle
+    carries it), else from the writing op's attrs (``RngReadAndSkip``, which writes a
+    ``tf.random.Generator``'s state, names no dtype)."""
+    data = getattr(handle, "_handle_data", None)
+    if data is not None and data.shape_and_type:
+        return data.shape_and_type[0].dtype
+    attrs = dict(node.attrs)
+    return attrs.get("dtype", attrs.get("T"))
+
+
+def _keep_eager_rounding(created):
+    """Keep oneDNN's graph rewrite from merging what eager runs apart, in the ``created``
+    graph ops.
+
+    With oneDNN on (TF's CPU default), the layout pass that runs on every function graph
+    merges a ``BiasAddGrad`` with the ``Conv2DBackpropFilter`` reading the same gradient into
+    one kernel, which sums the bias gradient in another order than eager's ``BiasAddGrad``:
+    a few ulps apart on strided convolutions, which momentum then grows (a Sonnet ConvNet
+    ended 1e-4 off eager after 40 steps). The pass merges only when both read the same
+    tensor, so the bias gradient reads a ``Snapshot`` of it (a copy Grappler keeps; an
+    ``Identity`` it would remove)."""
+    if not _ONEDNN:
+        return
+    for op in created:
+        if op.type == "BiasAddGrad":
+            op._update_input(0, gen_array_ops.snapshot(op.inputs[0]))
+
+
+def _call_function(graph, node, inputs):
+    """The call of library function ``node.op_type`` as eager made it: a
+    ``StatefulPartitionedCall`` of a copy marked ``_noinline``, with eager's call config. TF
+    then instantiates and optimizes the body on its own, as for the eager call, and its
+    numbers are eager's to the bit; inlined into the exact graph, the body's ops would round
+    as separate eager ops do, not as the function did (Grappler rewrites a ``tf.function``'s
+    body: ``x / 6`` is ``x * (1/6)`` there, 358 of 1000 values differed in the last bit)."""
+    attrs = dict(node.attrs)
+    out_types = [dtype for _, dtype in node.out_specs]
+
+    def types(values):
+        return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=values))
+
+    op = graph._create_op_internal(
+        "StatefulPartitionedCall", inputs, dtypes=out_types, attrs={
+            "Tin": types([t.dtype.as_datatype_enum for t in inputs]), "Tout": types(out_types),
+            "f": attr_value_pb2.AttrValue(
+                func=attr_value_pb2.NameAttrList(name=_noinline_copy(node.op_type))),
+            "config_proto": attr_value_pb2.AttrValue(
+                s=compat.as_bytes(attrs.get("config_proto") or b"")),
+            "executor_type": attr_value_pb2.AttrValue(
+                s=compat.as_bytes(attrs.get("executor_type") or b""))})
+    for t, shape in zip(op.outputs, node.out_relaxed, strict=True):
+        t.set_shape(shape)
+    return op
+
+
+@functools.cache
+def _noinline_copy(name):
+    """A copy of library function ``name`` that TF's inliners leave alone."""
+    ctx = context.context()
+    fdef = function_pb2.FunctionDef()
+    fdef.CopyFrom(ctx.get_function_def(name))
+    fdef.signature.name = copy = f"{name}_terra_call"
+    fdef.attr["_noinline"].b = True
+    ctx.add_function_def(fdef)
+    return copy
+
+
+def _draws_random(op):
+    return any(word in op.type for word in ("Random", "TruncatedNormal", "Multinomial"))
+
+
+def _compile_with_xla(op, scope):
+    """Mark ``op`` for XLA in cluster scope ``scope``: what ``jit_scope`` does to the ops
+    created under it (one scope per segment between fetches cannot be a ``with`` block here:
+    a segment starts and ends in the middle of emitting a node)."""
+    op._set_attr("_XlaCompile", attr_value_pb2.AttrValue(b=True))
+    op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=scope))
+    op._set_attr("_XlaSeparateCompiledGradients", attr_value_pb2.AttrValue(b=False))
+
+
+def _placeholder(dtype, shape):
+    """A value a branch returns for what it does not compute (never read)."""
+    dt = dtypes.as_dtype(dtype)
+    if dt in (dtypes.resource, dtypes.variant):
+        raise NotImplementedError(f"a {dt.name} value leaves a branch of a switch-case")
+    if shape is None:
+        return array_ops.zeros((), dt)
+    return array_ops.zeros([0 if d is None else d for d in shape], dt)

@@ -1,0 +1,346 @@
+"""The co-execution plan: what generation hands the PythonRunner besides the function.
+
+One :class:`Step` per TraceGraph node holds everything the runner's hot path needs
+precomputed: the node's slots, its successors and the Case Select values each edge feeds,
+the channels it feeds and fetches, static output values. :class:`SymbolicGraph` is the plan
+with its ConcreteFunction. The passes here build the plan's skeleton from a TraceGraph
+(:func:`plan_steps`, :func:`switch_case_channels`, :func:`link`); emission
+(``terra.emitter``) fills in the channels and the function; ``terra.graph_builder`` runs them.
+"""
+
+import itertools
+import math
+
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
+from tensorflow.python.eager import context, def_function
+from tensorflow.python.framework import dtypes, errors, ops
+from tensorflow.python.ops import gen_resource_variable_ops
+
+from terra import opdefs, queues, regions
+from terra.case_assignment import assign_cases
+from terra.queues import Channel
+from terra.tracegraph import SMALL_CONST, NodeKind, TraceNode
+
+INT32 = dtypes.int32.as_datatype_enum
+_INT_DTYPES = frozenset(d.as_datatype_enum for d in (dtypes.int32, dtypes.int64))
+
+
+class Step:
+    """What the PythonRunner does at one node of the TraceGraph."""
+
+    __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
+                 "check_shapes", "value_shaped", "fetch", "has_fetch", "static", "dynamic",
+                 "python", "out_feed",
+                 "body", "results", "pack", "slow_attrs", "next", "puts", "visits", "seq",
+                 "owner", "cone_phis", "backward_feeds", "looped", "any_path")
+
+    def __init__(self, node: TraceNode | None):
+        self.node = node
+        self.next = []  # successor steps, None for the end of the iteration
+        # per successor: the Case Select values taking that edge feeds, ((channel, index),
+        # ...); None when no edge out of this step feeds any
+        self.puts = None
+        self.has_fetch = False
+        self.visits = 0  # iterations that passed this step: the position in its channels
+        self.seq = -1  # when the PythonRunner last passed it (its running count of steps)
+        self.owner = self  # whose ``seq`` counts for it: a gradient op's is its region's head
+        self.looped = node is not None and node.loop is not None  # passed once per trip
+        self.body = []  # GRAD: the steps of its region, which Python skips; LOOP: its body
+        # GRAD: the joined inputs of its cone, ((slot, input index of the call or None,
+        # producer), ...): the producer each must have taken this iteration
+        self.cone_phis = ()
+        # GRAD: (channels of its backward ops' feed inputs, {iteration signature: values})
+        self.backward_feeds = None
+        if node is None:  # the start of the iteration
+            self.kind = NodeKind.START
+            return
+        self.kind = node.kind
+        self.op_type = node.op_type
+        self.attrs = node.attrs
+        self.fp_attrs = None  # the raw fast-path attr tuple, learned on first validation
+        self.slow_attrs = None  # the same for the slow path
+        self.slots = [settled(slot) for slot in node.inputs]
+        self.feed = [None] * len(node.inputs)  # slot index -> Channel for feed slots
+        self.out_specs = node.out_specs
+        # the output shape follows a small integer fed from Python that took several values
+        # (a resize's size), whatever the input shapes: it is inferred every time
+        self.value_shaped = _value_shaped(node)
+        self.check_shapes = len(node.sigs) > 1 or self.value_shaped
+        n_out = len(node.out_specs)
+        self.fetch = [None] * n_out  # out -> Channel (graph enqueues, Python dequeues)
+        self.static = [None] * n_out  # out -> value known when the graph was built (a tensor)
+        self.dynamic = False  # output shapes depend on data: fetch instead of a stand-in
+        self.python = node.kind == NodeKind.OP and not node.in_graph
+        self.out_feed = [None] * n_out  # python op outputs the graph consumes
+        self.results = node.results
+        # GRAD: one region for every forward path (terra.regions), whose gradient is None
+        # where eager's is: the PythonRunner checks each iteration reaches its sources
+        self.any_path = node.kind is NodeKind.GRAD and regions.folded(node) and \
+            node.attrs[4].endswith("NONE")
+        self.pack = None  # how the fast path groups outputs, learned on first use
+
+    def __repr__(self):
+        return "<start>" if self.node is None else f"<step {self.node!r} {self.op_type}>"
+
+
+class SymbolicGraph:
+    """The generated function, its channels, and the PythonRunner's plan for it."""
+
+    def __init__(self, start, steps, switch_cases, function, written, rewriters_off=(),
+                 loops=()):
+        self.start = start  # Step before the first op; ``start.next`` are the first steps
+        self.steps = steps  # {TraceNode: Step}
+        self.loops = loops  # the loop nodes (terra.loops), each a While
+        self.switch_cases = switch_cases  # [(SwitchCase, Case Select channel or None)]
+        self.function = function
+        self.written = written  # [(handle, dtype)] variables the graph writes
+        inference = function._inference_function
+        self.fn_name = inference.name.decode()
+        self.captures = list(function.captured_inputs)
+        attrs = context.context().function_call_options.as_attrs()
+        if rewriters_off:
+            attrs["config_proto"] = _with_rewriters_off(attrs["config_proto"], rewriters_off)
+        self.call_attrs = tuple(itertools.chain(*attrs.items()))
+        self.snapshot_fn = _snapshot_function(written)
+
+    def rewind(self):
+        """Make the graph ready for a new iteration after one was abandoned mid-way (a
+        cancelled job): its channels drained and counted from zero, as the steps' visits.
+        A completed iteration leaves them so by itself (``PythonRunner.finish``)."""
+        queues.settle()
+        steps = list(self.steps.values())
+        for step in steps:
+            steps.extend(step.body)
+        channels = {id(c): c for _, c in self.switch_cases if c is not None}
+        for step in steps:
+            step.visits = 0
+            found = [*step.feed, *step.out_feed, *step.fetch]
+            if step.backward_feeds:
+                found += step.backward_feeds[0]
+            for puts in step.puts or ():
+                found += [c for c, _ in puts]
+            channels.update((id(c), c) for c in found if c is not None)
+        for channel in channels.values():
+            channel.drain()
+
+    def __str__(self):
+        steps = self.steps.values()
+        feeds = sum(c is not None for s in steps for c in s.feed + s.out_feed)
+        fetches = sum(c is not None for s in steps for c in s.fetch)
+        selects = sum(c is not None for _, c in self.switch_cases)
+        return (f"SymbolicGraph({len(self.steps)} steps, {feeds} feeds, {fetches} fetches, "
+                f"{selects} switch-cases, {len(self.loops)} while loops, "
+                f"{len(self.written)} written variables)")
+
+
+def _with_rewriters_off(serialized, names):
+    """The function-call config with Grappler's rewriters ``names`` off.
+
+    ``constant_folding``, where shapes vary between iterations: ops recorded for one shape
+    constrain the shapes of tensors that other paths share; Grappler's shape inference unifies
+    them as if every branch ran, and constant folding then turned a ``tf.shape`` of a shared
+    tensor into one path's shape (a wrong value, found on FasterRCNN; right again with only
+    this pass off).
+
+    ``arithmetic_optimization`` and ``remapping``, under XLA: they run before XLA's clustering
+    and replace marked ops by fused TF-only ops without the marks (``_UnaryOpsComposition``,
+    ``_FusedConv2D``), which cut the clusters; XLA fuses those ops itself."""
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(serialized)
+    for name in names:
+        setattr(config.graph_options.rewrite_options, name,
+                rewriter_config_pb2.RewriterConfig.OFF)
+    return config.SerializeToString()
+
+
+_last_snapshot = [None, None]  # (key, function) of the last graph built
+
+
+def _snapshot_function(written):
+    """The function reading every variable the graph writes (what a fallback restores). A
+    graph built again for the same program writes the same variables: the last one is
+    reused (handles keyed by ``_id``, which TF never gives twice), saving a function trace
+    per rebuild; only the last is kept, so no program's variables outlive it here."""
+    if not written:
+        return None
+    key = tuple((h._id, dt) for h, dt in written)
+    if _last_snapshot[0] == key:
+        return _last_snapshot[1]
+
+    def snapshot():
+        return [gen_resource_variable_ops.read_variable_op(h, dt) for h, dt in written]
+
+    fn = def_function.function(snapshot, autograph=False).get_concrete_function()
+    _last_snapshot[:] = key, fn
+    return fn
+
+
+def plan_steps(tracegraph):
+    """One Step per node. A gradient head owns its region's steps (Python skips the
+    backward ops); a loop node holds its body's steps, which Python visits once per trip."""
+    steps = {n: Step(n) for n in tracegraph.nodes if n.kind not in (NodeKind.START, NodeKind.END)}
+    start = Step(None)
+    for node, step in steps.items():
+        if node.kind not in (NodeKind.GRAD, NodeKind.LOOP):
+            continue
+        last = node
+        for _ in range(node.body_len):
+            if len(last.succs) != 1:
+                raise NotImplementedError(f"{node.format()}: the region branches")
+            last = last.succs[0]
+            step.body.append(steps[last])
+            if node.kind is NodeKind.GRAD:
+                steps[last].owner = step
+        if node.kind is NodeKind.GRAD and not node.rolled:
+            step.cone_phis = tuple(  # a settled input reads one value whoever read it first
+                (slot, k if n is None else None, (p, out))
+                for (n, k), (_, p, out) in node.cone.items()
+                if len((slot := (node if n is None else n).inputs[k]).alts) > 1
+                and settled(slot) is slot)
+    return start, steps
+
+
+def unit_exit(node):
+    """The node whose edges leave ``node``'s unit: the last op of a gradient region or of a
+    loop's body."""
+    for _ in range(node.body_len if node.kind in (NodeKind.GRAD, NodeKind.LOOP) else 0):
+        node = node.succs[0]
+    return node
+
+
+def switch_case_channels(tracegraph):
+    """Algorithm 1 over the units of the TraceGraph (a loop node and its body are one), and
+    a Case Select channel for every switch-case the graph must branch at. Returns
+    ``[(SwitchCase, channel or None, skip index or None)]`` and what taking each edge
+    between units feeds: ``{(unit head, successor): [(channel, index)]}``."""
+    switch_cases = assign_cases(tracegraph.start, tracegraph.end, lambda n: unit_exit(n).succs)
+    puts = {}
+    planned = []
+    ended = []  # exits seen so far: a path may have ended before the switch-cases after them
+    for sc in switch_cases:
+        channel = skip = None
+        if sc.is_switch or ended:
+            with ops.init_scope():
+                channel = Channel(INT32, ())
+            for index, case in enumerate(sc.cases):
+                for u, v in case.control_edges:
+                    puts.setdefault((u, v), []).append((channel, index))
+            if ended:
+                skip = len(sc.cases)
+                for u, v in ended:
+                    puts.setdefault((u, v), []).append((channel, skip))
+        ended += [(u, v) for u, v in sc.exits]
+        planned.append((sc, channel, skip))
+    return planned, puts
+
+
+def link(tracegraph, start, steps, puts, conds):
+    """Each step's ``next`` and ``puts``. An edge into a loop node leads to its body's first
+    step, with the Loop Cond saying "go on" (1), and past the loop, with "stop" (0) and the
+    Case Selects of the edge out of the loop; the body's last step leads round again or out
+    the same way."""
+    end = tracegraph.end
+
+    def arrivals(node, puts_so_far):
+        if node is end:
+            return [(None, puts_so_far)]
+        if node.kind is not NodeKind.LOOP:
+            return [(steps[node], puts_so_far)]
+        go, stop = (conds[node], 1), (conds[node], 0)
+        found = [(steps[node.succs[0]], puts_so_far + [go])]
+        for s in unit_exit(node).succs:
+            found += arrivals(s, puts_so_far + [stop] + puts.get((node, s), []))
+        return found
+
+    for node, step in [(tracegraph.start, start), *steps.items()]:
+        if node.in_body or node.kind is NodeKind.LOOP:
+            continue
+        loop = node.loop
+        if loop is not None and node is unit_exit(loop):  # round again, or out of the loop
+            found = [(steps[loop.succs[0]], [(conds[loop], 1)])]
+            for s in node.succs:
+                found += arrivals(s, [(conds[loop], 0)] + puts.get((loop, s), []))
+        elif loop is not None:
+            found = [(steps[node.succs[0]], [])]
+        else:
+            found = [a for s in unit_exit(node).succs
+                     for a in arrivals(s, list(puts.get((node, s), ())))]
+        step.next = [target for target, _ in found]
+        if any(p for _, p in found):
+            step.puts = [tuple(p) for _, p in found]
+
+
+def settled(slot):
+    """A ``same`` input (an external value an earlier op of the iteration read first) whose
+    first readers all read one captured tensor, or one constant: that capture or constant
+    itself. Which op reads such a value first depends on the path (a mask read on both sides
+    of two random choices); as a ``same`` input, a combination of branches no trace took
+    would find its first reader had not run, and fall back."""
+    if slot.kind != "same":
+        return slot
+    firsts = [node.inputs[k] for node, k in slot.alts]
+    if all(f.kind == "capture" for f in firsts) and len({f.tensor._id for f in firsts}) == 1 \
+            or all(f.kind == "const" for f in firsts) and len(
+                {(f.value.shape, f.value_bytes) for f in firsts}) == 1:
+        return firsts[0]
+    return slot
+
+
+def _small_int_feed(slot):
+    """Whether ``slot`` is fed a small integer tensor from Python (a size, a shape)."""
+    return slot.kind == "feed" and slot.dtype in _INT_DTYPES and slot.shape is not None and \
+        None not in slot.shape and math.prod(slot.shape) <= SMALL_CONST
+
+
+def _value_shaped(node):
+    """Whether ``node``'s output shapes follow the values of small integers fed from Python
+    that took several values: its shape function, given only their shapes, leaves an output
+    dimension unknown (a resize's size does; the labels of a loss do not)."""
+    varying = [i for i, slot in enumerate(node.inputs)
+               if _small_int_feed(slot) and slot.values_vary]
+    if node.kind is not NodeKind.OP or not varying or not node.sigs:
+        return False
+    shapes = next(iter(node.sigs))
+    inputs = [_scratch_input(node, i, shape) for i, shape in enumerate(shapes)]
+    for i in varying:
+        inputs[i] = ("shape", None, dtypes.as_dtype(node.inputs[i].dtype), shapes[i])
+    try:
+        outputs = opdefs.scratch_output_shapes(node.op_type, node.attrs, inputs)
+    except (ValueError, TypeError, errors.OpError):
+        return True
+    return not all(shape.is_fully_defined() for shape in outputs)
+
+
+def shape_fn_decides(node):
+    """Whether the op's shape function gives its output shapes from what the PythonRunner
+    knows (input shapes, and the values of small inputs Python computes), as it infers them
+    for shapes no trace had; not for ``NonMaxSuppression``, ``Where``, ``Unique``: their
+    outputs are fetched wherever shapes vary."""
+    if node.kind is not NodeKind.OP or not node.sigs:
+        return True
+    shapes = next(iter(node.sigs))
+    try:
+        outputs = opdefs.scratch_output_shapes(node.op_type, node.attrs, [
+            _scratch_input(node, i, shape) for i, shape in enumerate(shapes)])
+    except (ValueError, TypeError, errors.OpError):
+        return True  # the runner's inference fails alike: a new shape falls back, as before
+    return all(shape.is_fully_defined() for shape in outputs)
+
+
+def _scratch_input(node, i, shape):
+    """Input ``i`` of ``node`` for ``opdefs.scratch_output_shapes``, as the PythonRunner
+    knows it."""
+    slot = node.inputs[i]
+    if slot.kind in ("const", "feed") and slot.value is not None:
+        return ("value", slot.value, dtypes.as_dtype(slot.dtype), None)
+    if slot.kind == "node":
+        producer, out = slot.alts[0]
+        dtype = producer.out_specs[out][1]
+    elif slot.kind == "same":
+        producer, k = slot.alts[0]
+        dtype = producer.inputs[k].dtype
+    elif slot.kind == "var":  # the variable's shape rides on its handle
+        return ("handle", slot.tensor, None, None)
+    else:
+        dtype = dtypes.resource if slot.kind == "resource" else slot.dtype
+    return ("shape", None, dtypes.as_dtype(dtype), shape)
