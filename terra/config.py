@@ -37,7 +37,8 @@ class Config:
         needs one of its values or the iteration ends (``TERRA_LAZY``; the paper's LazyEval).
       strict: Terra's own failures raise instead of turning into eager execution
         (``TERRA_STRICT``; for Terra's tests).
-      check: run ``TraceGraph.lint()`` after every merge (``TERRA_CHECK``).
+      check: run ``TraceGraph.lint()`` after every merge and every generation pass that
+        transforms the TraceGraph (``TERRA_CHECK``; on in the tests).
       timeout: seconds any wait between the runners may take before it raises
         (``TERRA_TIMEOUT``).
       freeze_gc: (``TERRA_FREEZE_GC``) when a trace starts, freeze every object the garbage

@@ -43,6 +43,7 @@ from tensorflow.python.eager import def_function
 from tensorflow.python.framework import constant_op, ops
 
 from terra import regions
+from terra.config import config
 from terra.emitter import EXACT_OFF, Emitter, KeepUnrolled, NotSymbolic, exports_of
 from terra.loops import roll
 from terra.plan import (
@@ -83,7 +84,9 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
     symbolic gradient failed), ``unrolled`` loops (by their first trip's nodes) stay
     unrolled (their While failed)."""
     tracegraph, loops = roll(tracegraph, keep=unrolled)
+    _check(tracegraph)
     tracegraph = regions.fold(tracegraph, fold, keep=unrolled)
+    _check(tracegraph)
     start, steps = plan_steps(tracegraph)
     varying = mark_varying_shapes(tracegraph, steps)
     planned, puts = switch_case_channels(tracegraph)
@@ -104,6 +107,13 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
     off = finish_plan(tracegraph, steps, symbolic, unseen, varying, xla, exact)
     return SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
                          list(emitter.written.values()), rewriters_off=off, loops=list(loops))
+
+
+def _check(tracegraph):
+    """``TraceGraph.lint()`` after each pass that transforms the TraceGraph
+    (``TERRA_CHECK``, on in the tests)."""
+    if config.check:
+        tracegraph.lint()
 
 
 def mark_varying_shapes(tracegraph, steps):

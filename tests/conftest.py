@@ -11,6 +11,8 @@ os.environ.setdefault("TERRA_BUDGET", "inf")
 # co-executed: with the graph instantiated in the background, co-execution starts at an
 # iteration that depends on timing. The background mode (the default) has its own tests.
 os.environ.setdefault("TERRA_BACKGROUND", "0")
+# The TraceGraph's invariants are checked after every merge and every generation pass.
+os.environ.setdefault("TERRA_CHECK", "1")
 
 _TESTS = Path(__file__).resolve().parent
 for _path in (str(_TESTS.parent), str(_TESTS)):
