@@ -8,15 +8,81 @@ re-enter the real tapes, and gradient calls run the real ``tape.gradient``. Ever
 handed to Python gets its real value.
 """
 
+import dataclasses
+
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, execute, record
 from tensorflow.python.framework import constant_op, dtypes, errors
 from tensorflow.python.util import nest
 
 from terra import functions, opdefs
-from terra.tracegraph import NodeKind
 
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+
+
+# -- the log the replay runs: what co-execution matched, step by step (``Iteration.log``).
+# Inputs are the validated ones (a stand-in by its PythonRunner entry); outputs are entries.
+@dataclasses.dataclass(slots=True)
+class LoggedOp:
+    """A graph op Python issued; ``stopped``: gradient recording was paused then
+    (``tf.stop_gradient``), so the replay does not record it on the tapes either."""
+
+    step: object
+    inputs: list
+    outputs: list
+    stopped: bool
+
+
+@dataclasses.dataclass(slots=True)
+class LoggedPythonOp:
+    """An op the PythonRunner ran for real: replayed by recording its outputs, never run
+    again (its side effect happened)."""
+
+    step: object
+    inputs: list
+    outputs: list
+
+
+@dataclasses.dataclass(slots=True)
+class LoggedMark:
+    """A tape enter, exit or watch of ``tape``."""
+
+    step: object
+    inputs: list
+    tape: object
+
+
+@dataclasses.dataclass(slots=True)
+class GradientCall:
+    """The arguments of a ``tape.gradient`` call, stand-ins by their entries."""
+
+    tape: object
+    target: object
+    sources: object
+    output_gradients: object
+    unconnected: object
+
+
+@dataclasses.dataclass(slots=True)
+class LoggedGradient:
+    """A ``tape.gradient`` call; ``outputs``: the entries of its flat results."""
+
+    step: object
+    inputs: list
+    outputs: list
+    call: GradientCall
+
+
+@dataclasses.dataclass(slots=True)
+class LoggedCustomGradient:
+    """A custom gradient put on the tapes after ``at`` logged steps (``record_operation``,
+    or a ``tf.function``'s backward function, ``functions.TapeRecord``)."""
+
+    at: int
+    op_type: str
+    outputs: list
+    inputs: list
+    backward: object
 
 
 def watch_read(tapes, op_type, handle):
@@ -90,28 +156,30 @@ def _replay(log, recorder, tapes, customs):
     ctx = context.context()
     issued = {}  # call stack -> ops replayed from it: a loop body's op occurs once per trip
     customs.reverse()
-    for index, (step, inputs, outs, extra) in enumerate(log):
-        while customs and customs[-1][0] == index:
-            _replay_custom(*customs.pop()[1:])
+    for index, logged in enumerate(log):
+        while customs and customs[-1].at == index:
+            _replay_custom(customs.pop())
+        step, inputs = logged.step, logged.inputs
         node = step.node
         sid = node.site[0] if node.site else None
         n = issued[sid] = issued.get(sid, -1) + 1
         recorder.override = (node.location, (sid, n) if step.looped else node.site)
         try:
-            if step.kind is NodeKind.MARK:
-                _replay_mark(step, [_real(x) for x in inputs], extra, recorder)
+            kind = type(logged)
+            if kind is LoggedMark:
+                _replay_mark(step, [_real(x) for x in inputs], logged.tape, recorder)
                 if step.op_type == "enter":
-                    tapes.append(extra)
+                    tapes.append(logged.tape)
                 elif step.op_type == "exit":
-                    tapes.remove(extra)
-            elif step.kind is NodeKind.GRAD:
-                _replay_grad(step, outs, extra, recorder)
-            elif step.python:
+                    tapes.remove(logged.tape)
+            elif kind is LoggedGradient:
+                _replay_grad(logged, recorder)
+            elif kind is LoggedPythonOp:
                 recorder.record_op(node.op_type, [_tensor(_real(x), s) for x, s in
                                                   zip(inputs, step.slots)],
-                                   _flat_attrs(node.attrs), outs)
+                                   _flat_attrs(node.attrs), logged.outputs)
             else:
-                stopped = extra  # recording was paused when Python issued it
+                stopped = logged.stopped
                 args = [_tensor(_real(x), s) for x, s in zip(inputs, step.slots)]
                 if not stopped:
                     watch_read(tapes, node.op_type, args[0] if args else None)
@@ -127,23 +195,24 @@ def _replay(log, recorder, tapes, customs):
                 if not stopped and execute.must_record_gradient() and \
                         opdefs.info(node.op_type).op_def is not None:
                     execute.record_gradient(node.op_type, args, attrs, results)
-                for entry, r in zip(outs, results):
+                for entry, r in zip(logged.outputs, results):
                     entry.value = r
         finally:
             recorder.override = None
     for custom in reversed(customs):  # recorded after the last matched step
-        _replay_custom(*custom[1:])
+        _replay_custom(custom)
 
 
-def _replay_custom(op_type, outputs, inputs, backward):
+def _replay_custom(custom):
     """Put a custom gradient back on the tapes, over the replayed outputs it was recorded for
     (eager recorded it right after the ops that produced them). A ``tf.function``'s forward
     call that co-execution matched with its inference twin is recorded as TF records it."""
-    outputs, inputs = [_real(x) for x in outputs], [_real(x) for x in inputs]
-    if isinstance(backward, functions.TapeRecord):
-        backward.record(outputs, inputs)
+    outputs = [_real(x) for x in custom.outputs]
+    inputs = [_real(x) for x in custom.inputs]
+    if isinstance(custom.backward, functions.TapeRecord):
+        custom.backward.record(outputs, inputs)
     else:
-        record.record_operation(op_type, outputs, inputs, backward)
+        record.record_operation(custom.op_type, outputs, inputs, custom.backward)
 
 
 def _real(x):
@@ -176,18 +245,20 @@ def _replay_mark(step, tensors, extra, recorder):
     recorder.mark(step.op_type, step.attrs, tensors)
 
 
-def _replay_grad(step, entries, extra, recorder):
-    tape, target, sources, output_gradients, unconnected = extra
+def _replay_grad(logged, recorder):
+    call = logged.call
+
     def resolve(x):
         return recorder.swap(_real(x))
 
     # a source may be a tensor of the iteration (a nested tape's watched activation): the
     # replayed one, not the stand-in, is what the replayed forward pass computed
-    result = tape.traced_gradient(nest.map_structure(resolve, target),
-                                  nest.map_structure(resolve, sources),
-                                  nest.map_structure(resolve, output_gradients), unconnected)
+    result = call.tape.traced_gradient(nest.map_structure(resolve, call.target),
+                                       nest.map_structure(resolve, call.sources),
+                                       nest.map_structure(resolve, call.output_gradients),
+                                       call.unconnected)
     values = [x for g in nest.flatten(result) if g is not None
               for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))
               if x is not None]
-    for entry, value in zip(entries, values):
+    for entry, value in zip(logged.outputs, values):
         entry.value = value

@@ -7,7 +7,7 @@ it is fed), external values are fed, and the op returns *stand-ins*: real EagerT
 share a dummy buffer. Stand-ins know only which node output they are (a hook-table entry);
 when Python materializes one, the value is fetched from the graph.
 
-Any difference raises :class:`Mismatch`; the runtime then falls back (``terra.fallback``).
+Any difference raises :class:`Divergence`; the runtime then falls back (``terra.fallback``).
 Ops that must not run in the graph (stateful, non-variable: random ops, iterators, py
 functions) run here for real and their outputs are fed.
 """
@@ -26,6 +26,14 @@ from tensorflow.python.ops import gen_optional_ops, resource_variable_ops
 from tensorflow.python.util import nest
 
 from terra import functions, interception, opdefs
+from terra.fallback import (
+    GradientCall,
+    LoggedCustomGradient,
+    LoggedGradient,
+    LoggedMark,
+    LoggedOp,
+    LoggedPythonOp,
+)
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.plan import Step
 from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
@@ -37,19 +45,26 @@ _Variable = resource_variable_ops.BaseResourceVariable
 _PLAIN = (int, float, bool, complex, np.ndarray, np.generic, str, bytes)
 
 
-class Mismatch(Exception):
-    """The iteration left the path the graph was built for. ``category`` is what
-    ``terra.explain()`` groups fallbacks by: new op, attribute change, new producer, value
-    change, shape change, new fetch point, unsupported, user exception, early end (and new
-    loop count, which the runtime tells apart with :meth:`PythonRunner.loop_trips_differ`)."""
+class Divergence(Exception):
+    """The iteration left the path the graph was built for: the runtime's one handler
+    (``Runtime.handle``) turns it into a fallback. ``category`` is what ``terra.explain()``
+    groups fallbacks by: new op, attribute change, new producer, value change, shape change,
+    new fetch point, unsupported, user exception, early end, terra error (and new loop count,
+    which the runtime tells apart with :meth:`PythonRunner.loop_trips_differ`). The handler
+    fills in ``site``, the user's line where Python was. ``ran``: the op that diverged
+    already ran (its ``result`` is what Python gets)."""
+
+    ran = False
+    result = None
 
     def __init__(self, reason: str, category: str = "new op"):
         super().__init__(reason)
         self.reason = reason
         self.category = category
+        self.site = None
 
 
-class RegionMissed(Mismatch):
+class RegionMissed(Divergence):
     """No gradient region of the call ``call`` (a key) was recorded for this iteration's
     forward pass, or for its shapes: a call that keeps missing gets one region for every
     path (``regions.fold``, ``Config.fold_after``)."""
@@ -59,14 +74,16 @@ class RegionMissed(Mismatch):
         self.call = call
 
 
-class PathEnded(Mismatch):
+class PathEnded(Divergence):
     """An op arrived after the whole recorded path had been matched: the loop is over, or
     this iteration does more than the traced ones did after their last recorded op."""
 
 
-class RanThenMismatch(Mismatch):
+class RanThenDiverged(Divergence):
     """A Python-run op ran for real and its outputs do not fit the graph: fall back, then
     hand Python this ``result`` (running the op again would repeat its side effects)."""
+
+    ran = True
 
     def __init__(self, reason: str, result, category: str = "shape change"):
         super().__init__(reason, category)
@@ -87,9 +104,9 @@ class Iteration:
         self.took = {}  # phi slot -> the producer it read this iteration
         # tracegraph.signature_part of every value fed, in order; None if no region needs it
         self.signature = None
-        self.log = []  # (step, inputs, outputs, extra) per matched step, for replay
-        # custom gradients put on the tapes: (position in the log, op type, outputs, inputs,
-        # backward function), replayed after the ops before them
+        self.log = []  # per matched step, for replay: fallback.Logged{Op,PythonOp,Mark,Gradient}
+        # custom gradients put on the tapes (fallback.LoggedCustomGradient), replayed after
+        # the steps logged before them
         self.customs = []
         self.entries = []
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
@@ -162,7 +179,7 @@ class PythonRunner:
         self.original_numpy = original_numpy
         self.watchdog = watchdog
         self.timeout = timeout
-        self.fallback = fallback  # runtime callback: leave co-execution because of an error
+        self.fallback = fallback  # Runtime.handle: leave co-execution because of an error
         self.start = start  # submits a job to the GraphRunner (a no-op once submitted)
         self.ctx = context.context()
         self.device = self.ctx.device_name or "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -211,7 +228,7 @@ class PythonRunner:
         info = opdefs.info(op_type)
         n = info.n_inputs
         if n is None:
-            raise Mismatch(f"unknown op {op_type}")
+            raise Divergence(f"unknown op {op_type}")
         inputs = args[:n]
         for a in inputs:  # the common case: every input is already an EagerTensor
             if type(a) is not _EagerTensor:
@@ -255,20 +272,21 @@ class PythonRunner:
         # backward function on the tapes as the forward call under a tape did
         tape_record = functions.tape_record(step.op_type)
         if tape_record is None:
-            raise Mismatch(f"{op_type}: the functions of its forward call are gone")
+            raise Divergence(f"{op_type}: the functions of its forward call are gone")
         outs = self._run(step, inputs)
         it = self.it
-        it.customs.append((len(it.log), step.op_type, self._entries_of(list(outs)),
-                           self._entries_of(list(inputs)), tape_record))
+        it.customs.append(LoggedCustomGradient(len(it.log), step.op_type,
+                                               self._entries_of(list(outs)),
+                                               self._entries_of(list(inputs)), tape_record))
         return outs[:num_outputs]
 
     # -- tape events --------------------------------------------------------------------
     def mark(self, what, attrs, tensors, extra):
         step = self._expect(NodeKind.MARK, what, lambda s: s.attrs == attrs)
         if step.attrs != attrs:
-            raise Mismatch(f"tape {what} with different settings", "attribute change")
+            raise Divergence(f"tape {what} with different settings", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
-        self.it.log.append((step, inputs, (), extra))
+        self.it.log.append(LoggedMark(step, inputs, extra))
         self._logged_move(step, None)
 
     def gradient(self, attrs, tensors, extra):
@@ -276,14 +294,14 @@ class PythonRunner:
         step = self._expect(NodeKind.GRAD, "gradient",
                             lambda s: s.attrs == attrs and self._grad_fits(s, tensors))
         if step.attrs != attrs:
-            raise Mismatch("gradient call with different arguments", "attribute change")
+            raise Divergence("gradient call with different arguments", "attribute change")
         inputs = self._validate(step, list(tensors), feed=False)
         if not self._same_cone(step, inputs):
             raise RegionMissed("the forward pass this gradient differentiates took a path its "
                                "recorded gradients were not computed for", step.node.key,
                                "new producer")
         if step.any_path and self._unreached_source(step, inputs):
-            raise Mismatch("this iteration's forward pass does not reach a source the "
+            raise Divergence("this iteration's forward pass does not reach a source the "
                            "gradient region gives a gradient for (eager gives None there)",
                            "new producer")
         values = self._backward_values(step)
@@ -308,10 +326,9 @@ class PythonRunner:
         tape, target, sources, output_gradients, unconnected = extra
         # the log names stand-ins by their entries: holding a stand-in would make it look
         # alive to finish() (an escape) although Python dropped it
-        self.it.log.append((step, inputs, leaves, (tape, self._entries_of(target),
-                                                   self._entries_of(sources),
-                                                   self._entries_of(output_gradients),
-                                                   unconnected)))
+        self.it.log.append(LoggedGradient(step, inputs, leaves, GradientCall(
+            tape, self._entries_of(target), self._entries_of(sources),
+            self._entries_of(output_gradients), unconnected)))
         for body_step in step.body:  # the graph fills their channels whether or not Python looks
             if body_step.has_fetch:
                 self._visit(body_step)
@@ -322,15 +339,16 @@ class PythonRunner:
         """``tf.custom_gradient`` recorded its backward function for outputs of ops already
         matched: keep it (stand-ins by their entries) for a replay."""
         it = self.it
-        it.customs.append((len(it.log), op_type, self._entries_of(list(outputs)),
-                           self._entries_of(list(inputs)), backward))
+        it.customs.append(LoggedCustomGradient(len(it.log), op_type,
+                                               self._entries_of(list(outputs)),
+                                               self._entries_of(list(inputs)), backward))
 
     def _grad_fits(self, step, tensors):
         """Whether a gradient call fits ``step``: its inputs, the forward pass its region was
         recorded for, and backward values known for this iteration's signature."""
         try:
             inputs = self._validate(step, list(tensors), feed=False)
-        except Mismatch:
+        except Divergence:
             return False
         return self._same_cone(step, inputs) and self._backward_values(step) is not False
 
@@ -342,9 +360,13 @@ class PythonRunner:
         n_target, n_sources = step.attrs[1], step.attrs[2]
         tensors = self.tensors
         made_by = {}
-        for logged, ins, outputs, extra in self.it.log:
-            if logged.kind is not _OP or extra is True:  # True: issued with recording paused
+        for entry in self.it.log:
+            kind = type(entry)
+            if kind is LoggedOp and entry.stopped:  # issued with recording paused
                 continue
+            if kind is not LoggedOp and kind is not LoggedPythonOp:  # marks, gradient calls
+                continue
+            logged, ins, outputs = entry.step, entry.inputs, entry.outputs
             flows = opdefs.gradient_flows(logged.op_type, logged.attrs, tuple(
                 x.step.out_specs[x.out][1] if type(x) is Entry else
                 x._datatype_enum() if type(x) is _EagerTensor else slot.dtype
@@ -426,7 +448,7 @@ class PythonRunner:
                 raise PathEnded(f"{op_type} after the end of the recorded iteration")
             if step.kind is not kind or step.op_type != op_type and (
                     step.op_type != twin or step.python):
-                raise Mismatch(f"expected {step.op_type}, got {op_type}")
+                raise Divergence(f"expected {step.op_type}, got {op_type}")
             if cur.puts is not None:
                 self._take(cur, 0)
             return step
@@ -440,7 +462,7 @@ class PythonRunner:
         if not found:
             if None in nxt:
                 raise PathEnded(f"{op_type} after the end of a recorded iteration")
-            raise Mismatch(f"new branch: {op_type} where the recorded iterations had "
+            raise Divergence(f"new branch: {op_type} where the recorded iterations had "
                            + ", ".join(sorted({s.op_type for s in nxt if s is not None})))
         i, step = found[0]
         self._take(cur, i)
@@ -476,7 +498,7 @@ class PythonRunner:
     def _issued_from(self, sid):
         """How many steps this iteration matched at call stack ``sid``: the occurrence of
         the next one there (``terra.location.Sites``)."""
-        return sum(1 for entry in self.it.log if entry[0].node.site[0] == sid)
+        return sum(1 for logged in self.it.log if logged.step.node.site[0] == sid)
 
     def _fits(self, step, attrs, flat, fast):
         """Whether an op with these attrs (None: not checked) and inputs matches ``step``;
@@ -485,7 +507,7 @@ class PythonRunner:
             if attrs is not None and attrs != (step.fp_attrs if fast else step.slow_attrs):
                 self._check_attrs(step, step.op_type, attrs, cache=fast)
             self._validate(step, list(flat), feed=False)
-        except Mismatch:
+        except Divergence:
             return False
         return True
 
@@ -495,7 +517,7 @@ class PythonRunner:
         recorded = dict(step.attrs)
         for name, value in given:
             if name in recorded and recorded[name] != value:
-                raise Mismatch(f"attribute {name} of {op_type} changed", "attribute change")
+                raise Divergence(f"attribute {name} of {op_type} changed", "attribute change")
         if len(given) == len(normalized):  # per-call seeds are never cached
             if cache:
                 step.fp_attrs = raw
@@ -505,7 +527,7 @@ class PythonRunner:
     def _validate(self, step, flat, feed=True):
         slots = step.slots
         if len(flat) != len(slots):
-            raise Mismatch(f"{step.op_type} has {len(flat)} inputs, recorded {len(slots)}",
+            raise Divergence(f"{step.op_type} has {len(flat)} inputs, recorded {len(slots)}",
                            "attribute change")
         it = self.it
         tensors = self.tensors
@@ -643,7 +665,7 @@ class PythonRunner:
                 dummy = self._dummies[spec] = gen_optional_ops.optional_none()
             return dummy
         if dt in (dtypes.resource, dtypes.variant):
-            raise Mismatch(f"cannot stand in for a {dt.name} tensor", "unsupported")
+            raise Divergence(f"cannot stand in for a {dt.name} tensor", "unsupported")
         fill = b"" if dt == dtypes.string else 0
         dummy = self._dummies[spec] = constant_op.constant(
             np.full(shape, fill, dtype=dt.as_numpy_dtype))
@@ -673,7 +695,7 @@ class PythonRunner:
         shapes. The op is built in a scratch graph on placeholders of those shapes, with the
         values of small inputs Python computed (a ``Reshape``'s target shape): where such a
         value is fed, it can differ next time, so the specs are not kept. Where the shape
-        function leaves a dimension unknown, a Mismatch: only a trace can tell."""
+        function leaves a dimension unknown, a Divergence: only a trace can tell."""
         flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(
             a, None if slot.dtype is None else dtypes.as_dtype(slot.dtype))
             for a, slot in zip(flat, step.slots, strict=True)]
@@ -686,10 +708,10 @@ class PythonRunner:
                 ("shape", None, a.dtype, shape)
                 for a, k, shape in zip(flat, known, key, strict=True)])
         except (ValueError, TypeError, errors.OpError) as e:  # the shape function rejects them
-            raise Mismatch(f"{step.op_type} called with new input shapes {key}: {e}",
+            raise Divergence(f"{step.op_type} called with new input shapes {key}: {e}",
                            "shape change") from None
         if not all(shape.is_fully_defined() for shape in outputs):
-            raise Mismatch(f"{step.op_type} called with new input shapes {key}, for which "
+            raise Divergence(f"{step.op_type} called with new input shapes {key}, for which "
                            "its shape function gives no output shape", "shape change")
         specs = tuple((tuple(shape.as_list()), dtype)
                       for shape, (_, dtype) in zip(outputs, step.out_specs, strict=True))
@@ -721,9 +743,7 @@ class PythonRunner:
             outs = [self._fetched(e) for e in entries]
             if self.it.signature is not None:
                 self.it.signature.append(tuple(o._shape_tuple() for o in outs))
-        # extra: whether gradient recording was paused (tf.stop_gradient): a replay must not
-        # put the op on the tape either
-        self.it.log.append((step, inputs, entries, _tape_stopped()))
+        self.it.log.append(LoggedOp(step, inputs, entries, _tape_stopped()))
         self._logged_move(step, outs)
         return outs
 
@@ -741,16 +761,16 @@ class PythonRunner:
         flat_outs = []
         for o in outs:
             flat_outs.extend(o if isinstance(o, (list, tuple)) else [o])
-        self.it.log.append((step, inputs, flat_outs, None))
+        self.it.log.append(LoggedPythonOp(step, inputs, flat_outs))
         self._logged_move(step, result)
         relaxed = step.node.out_relaxed
         if len(flat_outs) != len(relaxed):
-            raise RanThenMismatch(f"{step.op_type} {step.node!r} returned {len(flat_outs)} "
+            raise RanThenDiverged(f"{step.op_type} {step.node!r} returned {len(flat_outs)} "
                                   f"outputs, recorded {len(relaxed)}", result, "new op")
         for k, t in enumerate(flat_outs):
             if t._datatype_enum() != step.out_specs[k][1] or \
                     not _shape_ok(t._shape_tuple(), relaxed[k]):
-                raise RanThenMismatch(f"output {k} of {step.op_type} {step.node!r} has a new "
+                raise RanThenDiverged(f"output {k} of {step.op_type} {step.node!r} has a new "
                                       f"shape or dtype", result)
         for k, t in enumerate(flat_outs):
             e = Entry(self, self.it, step, k, value=t)
@@ -772,7 +792,7 @@ class PythonRunner:
 
     def value_of(self, e: Entry):
         """The real tensor behind an entry: known, or fetched from its channel. Raises
-        Mismatch if the graph does not provide it (the caller falls back)."""
+        Divergence if the graph does not provide it (the caller falls back)."""
         if e.value is not None:
             return e.value
         step, it = e.step, e.iteration
@@ -782,7 +802,7 @@ class PythonRunner:
                 "iteration's graph execution was cancelled or failed")
         channel = step.fetch[e.out]
         if channel is None:
-            raise Mismatch(f"new fetch point: value of {step.op_type} {step.node!r} "
+            raise Divergence(f"new fetch point: value of {step.op_type} {step.node!r} "
                            f"({_where(step)})", "new fetch point")
         e.value = self._wait(lambda: channel.get_nth(e.visit, self.wait_cm), step)
         return e.value
@@ -879,7 +899,7 @@ def _closure_refs(customs):
     backward functions (id -> count), through functions, cells, methods, partials and plain
     containers; other objects (a Keras layer a method is bound to) are not entered."""
     counts, seen = {}, set()
-    stack = [custom[4] for custom in customs]
+    stack = [custom.backward for custom in customs]
     while stack:
         obj = stack.pop()
         if id(obj) in seen:
@@ -928,7 +948,7 @@ class GraphFailed(Exception):
 
 
 def _bad(step, i, what, category="new producer"):
-    return Mismatch(f"input {i} of {step.op_type} {step.node!r} {what}", category)
+    return Divergence(f"input {i} of {step.op_type} {step.node!r} {what}", category)
 
 
 def _where(step):

@@ -31,13 +31,12 @@ from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import Sites, user_location
 from terra.python_runner import (
+    Divergence,
     GraphFailed,
     Iteration,
     IterationAborted,
-    Mismatch,
     PathEnded,
     PythonRunner,
-    RanThenMismatch,
     RegionMissed,
 )
 from terra.trace import Recorder
@@ -160,13 +159,11 @@ class CoexecDoor:
         rt = self.runtime
         try:
             return rt.runner.fast(ctx, op_type, name, args)
-        except (Mismatch, GraphFailed) as why:
-            if rt.recover(why):
-                return why.result
         except _FallbackException:  # the op wrapper takes its slow path, through the doors
             raise
-        except Exception as err:  # noqa: BLE001 - Terra's own failure: this op runs eagerly
-            rt.fail_safe(err)
+        except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
+            if rt.handle(why, at_op=True):
+                return why.result
         fallback_lib.watch_read(rt.open_tapes, op_type, args[0] if args else None)
         return rt.tracing_door.fast(ctx, op_type, name, args)
 
@@ -174,11 +171,9 @@ class CoexecDoor:
         rt = self.runtime
         try:
             return rt.runner.slow(op_type, num_outputs, inputs, attrs, ctx, name)
-        except (Mismatch, GraphFailed) as why:
-            if rt.recover(why):
+        except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
+            if rt.handle(why, at_op=True):
                 return why.result
-        except Exception as err:  # noqa: BLE001 - Terra's own failure: this op runs eagerly
-            rt.fail_safe(err)
         fallback_lib.watch_read(rt.open_tapes, opdefs.op_name(op_type),
                                 inputs[0] if inputs else None)
         return rt.tracing_door.slow(op_type, num_outputs, inputs, attrs, ctx, name)
@@ -262,7 +257,7 @@ class Runtime:
 
     def tape_exit(self, tape, failed):
         if self.coexecuting() and failed:
-            self.leave(Mismatch("exception raised by user code", "user exception"))
+            self.leave(Divergence("exception raised by user code", "user exception"))
         if failed and self.recorder is not None:
             self.recorder.aborted = True  # an iteration that raised is never merged
         if not (self.phase == "coexecution" and self._coexec(
@@ -351,7 +346,7 @@ class Runtime:
         try:
             if self.coexecuting():
                 if not self.runner.at_end():
-                    self.leave(Mismatch("the iteration ended before the recorded one did",
+                    self.leave(Divergence("the iteration ended before the recorded one did",
                                         "early end"))
                 else:
                     self._close_iteration()
@@ -374,7 +369,7 @@ class Runtime:
             return
         uncovered = self.runner.finish()
         if uncovered:  # the replay gives every one of them its value
-            self.leave(Mismatch("a tensor outlived its iteration but the graph does not "
+            self.leave(Divergence("a tensor outlived its iteration but the graph does not "
                                 "return it", "new fetch point"))
         else:
             self.stats.coexecuted += 1
@@ -514,7 +509,7 @@ class Runtime:
         if self.runner is not None:  # stall time of earlier graphs
             self.stats.python_stall += self.runner.stall_time
         self.runner = PythonRunner(self.graph, _tensors, _original_numpy, self._watchdog,
-                                   config.timeout, self.fall_back, self.graph_runner.submit,
+                                   config.timeout, self.handle, self.graph_runner.submit,
                                    self.sites)
         self.phase = "coexecution"
         if config.freeze_gc:  # what tracing and generation left behind is not walked again
@@ -544,7 +539,7 @@ class Runtime:
         re-enters the real tapes), and do not merge this iteration's trace (the method's ops
         are not a gradient region Terra could skip)."""
         if self.phase == "coexecution" and self.runner.it is not None:
-            self.leave(Mismatch(f"tape.{what} runs on the real tape", "unsupported"))
+            self.leave(Divergence(f"tape.{what} runs on the real tape", "unsupported"))
         if self.recorder is not None:
             if not self.recorder.aborted:
                 self._note("trace not merged", f"tape.{what} was called", user_location())
@@ -552,28 +547,32 @@ class Runtime:
 
     # -- leaving co-execution -------------------------------------------------------------
     def _coexec(self, fn):
-        """Run a PythonRunner step; on mismatch (or Terra's own failure) fall back and return
-        None."""
+        """Run a PythonRunner step (a tape mark, a gradient call); if it diverges, fall back
+        and return None (the caller runs it for real), unless the replay already ran it."""
         try:
             result = fn()
             return True if result is None else result
-        except (Mismatch, GraphFailed) as m:
-            if self.coexecuting():
-                self.leave(m)
-            if getattr(m, "ran", False):  # the replay ran the step: it must not run again
-                return True if m.result is None else m.result
-            return None
-        except Exception as err:  # noqa: BLE001 - Terra's own failure: run it eagerly
-            self.fail_safe(err)
+        except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
+            if self.handle(why):
+                return True if why.result is None else why.result
             return None
 
-    def fall_back(self, why):
-        """Leave co-execution because of ``why``: a mismatch or graph error (if still in the
-        iteration), or any other exception, which is Terra's own failure (:meth:`fail_safe`)."""
-        if not isinstance(why, (Mismatch, GraphFailed)):
+    def handle(self, why, at_op=False) -> bool:
+        """The one place co-execution is left. ``why`` is a :class:`Divergence`, a graph
+        error (:class:`GraphFailed`) or any other exception, which is Terra's own failure
+        (:meth:`fail_safe`). Returns whether the op being matched already ran (the replay
+        ran it; its result is ``why.result``); if not, the caller runs it eagerly. ``at_op``:
+        raised at an op issued through a door, where an op past the end of the matched path
+        with no tape open closes the iteration instead (:meth:`path_ended`)."""
+        if not isinstance(why, (Divergence, GraphFailed)):
             self.fail_safe(why)
-        elif self.coexecuting():
+            return False
+        if self.coexecuting():  # else left already, by an op this one issued (a variable read)
+            if at_op and isinstance(why, PathEnded):
+                self.path_ended(why)
+                return False
             self.leave(why)
+        return why.ran
 
     def coexecuting(self) -> bool:
         """Whether an iteration is being co-executed now (not yet left, not yet closed)."""
@@ -585,25 +584,13 @@ class Runtime:
         note it with Terra's traceback for ``explain()``. ``TERRA_STRICT`` re-raises."""
         if config.strict:
             raise err
-        why = Mismatch(f"Terra error {type(err).__name__}: {err}\n"
+        why = Divergence(f"Terra error {type(err).__name__}: {err}\n"
                        + "".join(traceback.format_exception(err, limit=-4)).rstrip(),
                        "terra error")
         if self.coexecuting():
             self.leave(why)
         else:
             self._note("Terra error (ran eagerly)", why.reason, user_location())
-
-    def recover(self, why) -> bool:
-        """Leave co-execution after a failed runner step; True if the op already ran (its
-        result is ``why.result``), False if the caller must now run it eagerly."""
-        ran = isinstance(why, RanThenMismatch) or getattr(why, "ran", False)
-        if not self.coexecuting():  # left already, by an op this one issued (a variable read)
-            return ran
-        if isinstance(why, PathEnded):
-            self.path_ended(why)
-            return False
-        self.leave(why)
-        return ran
 
     def leave(self, why):
         """Fallback (paper §3.2.1): cancel, restore, replay the matched prefix, trace on.
@@ -620,6 +607,8 @@ class Runtime:
                                "belongs to had ended; its tape was never run for real")
         job = it.job
         where = user_location()
+        if isinstance(why, Divergence):
+            why.site = where
         if self._began is not None:  # the site the fallback's cost is booked to
             self._began = (*self._began[:2], f"{where.file}:{where.line}" if where else "?")
         self.graph_runner.cancel(job)
@@ -629,7 +618,7 @@ class Runtime:
             raise self._abandon(why, stuck) from None
         self.stats.fallbacks += 1
         self.fallbacks_in_a_row += 1
-        if isinstance(why, Mismatch):
+        if isinstance(why, Divergence):
             category, reason = why.category, why.reason
             loop = (runner.loop_trips_differ(issuing=category != "early end")
                     if category in ("new op", "new producer", "early end") else None)
@@ -637,7 +626,7 @@ class Runtime:
                 category, reason = "new loop count", f"{loop} ({reason})"
         else:
             category, reason = "graph error", str(why)
-        self._note(f"fallback [{category}]", reason, user_location())
+        self._note(f"fallback [{category}]", reason, where)
         detour = self._detour(why, category)
         if isinstance(why, RegionMissed):
             self._missed = why.call
@@ -674,7 +663,7 @@ class Runtime:
         keeps failing then costs the iterations that reach it, not the whole run. Two in a
         row mean the path has changed: that fallback traces, as any other."""
         s = self.stats
-        return (isinstance(why, Mismatch) and category != "terra error"
+        return (isinstance(why, Divergence) and category != "terra error"
                 and self.fallbacks_in_a_row == 1 and s.graph_generations > 0
                 and not self.ledger.rebuild_allowed(s.graph_generations - 1,
                                                     config.free_rebuilds))
@@ -721,8 +710,8 @@ class Runtime:
             return entry.runner.value_of(entry)
         except IterationAborted:
             raise
-        except Exception as why:  # noqa: BLE001 - a mismatch, a graph error or Terra's own
-            self.fall_back(why)
+        except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
+            self.handle(why)
             if entry.value is None:
                 raise IterationAborted(f"Terra: a value of an abandoned iteration was used "
                                        f"at {user_location()}") from why
@@ -744,7 +733,7 @@ class Runtime:
             self._pending.wait(config.timeout)
         if self.phase == "coexecution" and self.runner.it is not None:
             if not self.runner.at_end():
-                self.leave(Mismatch("terra.reset() in the middle of an iteration", "early end"))
+                self.leave(Divergence("terra.reset() in the middle of an iteration", "early end"))
             else:
                 self.graph_runner.submit(self.runner.it.job)
                 self._close_iteration()
