@@ -22,10 +22,18 @@ import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import cancellation, context
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
-from tensorflow.python.ops import gen_optional_ops, resource_variable_ops
+from tensorflow.python.ops import gen_optional_ops
 from tensorflow.python.util import nest
 
 from terra import functions, interception, opdefs
+from terra.divergence import (
+    Divergence,
+    GraphFailed,
+    IterationAborted,
+    PathEnded,
+    RanThenDiverged,
+    RegionMissed,
+)
 from terra.fallback import (
     GradientCall,
     LoggedCustomGradient,
@@ -34,6 +42,7 @@ from terra.fallback import (
     LoggedOp,
     LoggedPythonOp,
 )
+from terra.fast_path import fast_inputs, flatten, pack_fast
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.plan import Step
 from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
@@ -41,57 +50,6 @@ from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
 _EagerTensor = ops.EagerTensor
 _tape_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _OP = NodeKind.OP
-_Variable = resource_variable_ops.BaseResourceVariable
-_PLAIN = (int, float, bool, complex, np.ndarray, np.generic, str, bytes)
-
-
-class Divergence(Exception):
-    """The iteration left the path the graph was built for: the runtime's one handler
-    (``Runtime.handle``) turns it into a fallback. ``category`` is what ``terra.explain()``
-    groups fallbacks by: new op, attribute change, new producer, value change, shape change,
-    new fetch point, unsupported, user exception, early end, terra error (and new loop count,
-    which the runtime tells apart with :meth:`PythonRunner.loop_trips_differ`). The handler
-    fills in ``site``, the user's line where Python was. ``ran``: the op that diverged
-    already ran (its ``result`` is what Python gets)."""
-
-    ran = False
-    result = None
-
-    def __init__(self, reason: str, category: str = "new op"):
-        super().__init__(reason)
-        self.reason = reason
-        self.category = category
-        self.site = None
-
-
-class RegionMissed(Divergence):
-    """No gradient region of the call ``call`` (a key) was recorded for this iteration's
-    forward pass, or for its shapes: a call that keeps missing gets one region for every
-    path (``regions.fold``, ``Config.fold_after``)."""
-
-    def __init__(self, reason: str, call, category: str):
-        super().__init__(reason, category)
-        self.call = call
-
-
-class PathEnded(Divergence):
-    """An op arrived after the whole recorded path had been matched: the loop is over, or
-    this iteration does more than the traced ones did after their last recorded op."""
-
-
-class RanThenDiverged(Divergence):
-    """A Python-run op ran for real and its outputs do not fit the graph: fall back, then
-    hand Python this ``result`` (running the op again would repeat its side effects)."""
-
-    ran = True
-
-    def __init__(self, reason: str, result, category: str = "shape change"):
-        super().__init__(reason, category)
-        self.result = result
-
-
-class IterationAborted(RuntimeError):
-    """A value was asked of an iteration whose graph work was discarded."""
 
 
 class Iteration:
@@ -232,28 +190,28 @@ class PythonRunner:
         inputs = args[:n]
         for a in inputs:  # the common case: every input is already an EagerTensor
             if type(a) is not _EagerTensor:
-                inputs = _fast_inputs(info, inputs)  # may read variables (ops of their own)
+                inputs = fast_inputs(info, inputs)  # may read variables (ops of their own)
                 break
         attrs = args[n:]
-        flat = _flatten(info, inputs) if info.has_list else inputs
+        flat = flatten(info, inputs) if info.has_list else inputs
         step = self._expect(_OP, op_type, lambda s: self._fits(s, attrs, flat, True))
         if attrs != step.fp_attrs:
             self._check_attrs(step, op_type, attrs, cache=True)
         if step.python:
             real = [[self._real(x) for x in a] if type(a) in (list, tuple) else self._real(a)
                     for a in inputs]
-            return self._run_python(step, _flatten(info, real),
+            return self._run_python(step, flatten(info, real),
                                     ORIGINAL_FAST(ctx, op_type, name, *real, *attrs))
         try:
             outs = self._run(step, flat)
         except GraphFailed as failed:
             if failed.ran:
-                failed.result = _pack_fast(info, step, failed.result)
+                failed.result = pack_fast(info, step, failed.result)
             raise
         plan = step.pack
         if plan == "one":
             return outs[0]
-        return _pack_fast(info, step, outs)
+        return pack_fast(info, step, outs)
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         op_type = opdefs.op_name(op_type)
@@ -935,18 +893,6 @@ def _has_contents(cell):
     return True
 
 
-class GraphFailed(Exception):
-    """The graph raised while running an iteration; carries the job. ``at_end``: noticed
-    when Python had issued every op of the iteration (so the failing op is among them)."""
-
-    def __init__(self, job):
-        super().__init__(str(job.error))
-        self.job = job
-        self.at_end = False
-        self.ran = False  # the step being matched is in the log: the replay runs it
-        self.result = None  # then, what Python gets for it
-
-
 def _bad(step, i, what, category="new producer"):
     return Divergence(f"input {i} of {step.op_type} {step.node!r} {what}", category)
 
@@ -954,81 +900,6 @@ def _bad(step, i, what, category="new producer"):
 def _where(step):
     loc = step.node.location
     return f"{loc.file}:{loc.line}" if loc else "unknown location"
-
-
-def _flatten(info, inputs):
-    """Fast-path arguments -> one entry per op input (list-valued inputs spread out)."""
-    flat = []
-    for k, a in enumerate(inputs):
-        if info.list_inputs[k] and isinstance(a, (list, tuple)):
-            flat.extend(a)
-        else:
-            flat.append(a)
-    return flat
-
-
-def _fast_inputs(info, inputs):
-    """Fast-path arguments that are not all EagerTensors, as the C fast path treats them:
-    variables are read (here, through the door, so the read is matched like any op), plain
-    Python values are left for conversion, anything else makes the fast path give up."""
-    inputs = list(inputs)
-    for k, a in enumerate(inputs):
-        if type(a) is _EagerTensor:
-            continue
-        if isinstance(a, _Variable):
-            inputs[k] = a.value()
-        elif info.list_inputs[k] and isinstance(a, (list, tuple)):
-            if not all(type(x) is _EagerTensor or isinstance(x, _PLAIN) for x in a):
-                raise _fallback_exception()
-        elif not isinstance(a, _PLAIN) and not _plain_nested(a):
-            raise _fallback_exception()
-    return inputs
-
-
-def _plain_nested(a):
-    if isinstance(a, (list, tuple)):
-        return all(isinstance(x, _PLAIN) or _plain_nested(x) for x in a)
-    return False
-
-
-def _fallback_exception():
-    from tensorflow.python.eager import core
-
-    return core._FallbackException()
-
-
-def _pack_fast(info, step, outs):
-    """Shape results like ``TFE_Py_FastPathExecute``: one tensor, None, or (nested) lists."""
-    plan = step.pack
-    if plan is None:
-        plan = step.pack = _pack_plan(info, step)
-    if plan == "one":
-        return outs[0]
-    if plan == "all":
-        return outs
-    if plan == "none":
-        return None
-    grouped, k = [], 0
-    for n in plan:
-        if n is None:
-            grouped.append(outs[k])
-            k += 1
-        else:
-            grouped.append(outs[k:k + n])
-            k += n
-    return grouped
-
-
-def _pack_plan(info, step):
-    """"one", "all", "none", or per output arg its list length (None: a single tensor)."""
-    args = info.op_def.output_arg
-    if not args:
-        return "none"
-    if len(args) == 1:
-        return "all" if args[0].number_attr or args[0].type_list_attr else "one"
-    attrs = dict(step.attrs)
-    return tuple(attrs[a.number_attr] if a.number_attr else
-                 len(attrs[a.type_list_attr]) if a.type_list_attr else None for a in args)
 
 
 def _indexed_slices(values, indices, dense_shape):

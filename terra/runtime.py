@@ -27,18 +27,17 @@ from tensorflow.python.util import nest
 from terra import background, budget, functions, interception, materialize, opdefs
 from terra import fallback as fallback_lib
 from terra.config import config
+from terra.divergence import (
+    Divergence,
+    GraphFailed,
+    IterationAborted,
+    PathEnded,
+    RegionMissed,
+)
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import Sites, user_location
-from terra.python_runner import (
-    Divergence,
-    GraphFailed,
-    Iteration,
-    IterationAborted,
-    PathEnded,
-    PythonRunner,
-    RegionMissed,
-)
+from terra.python_runner import Iteration, PythonRunner
 from terra.trace import Recorder
 from terra.tracegraph import NodeKind, TraceGraph
 

@@ -1,0 +1,63 @@
+"""Why co-execution leaves the graph: the typed reasons the PythonRunner and the tapes raise,
+and the one handler that turns each into a fallback (``Runtime.handle``)."""
+
+
+class Divergence(Exception):
+    """The iteration left the path the graph was built for: the runtime's one handler
+    (``Runtime.handle``) turns it into a fallback. ``category`` is what ``terra.explain()``
+    groups fallbacks by: new op, attribute change, new producer, value change, shape change,
+    new fetch point, unsupported, user exception, early end, terra error (and new loop count,
+    which the runtime tells apart with :meth:`PythonRunner.loop_trips_differ`). The handler
+    fills in ``site``, the user's line where Python was. ``ran``: the op that diverged
+    already ran (its ``result`` is what Python gets)."""
+
+    ran = False
+    result = None
+
+    def __init__(self, reason: str, category: str = "new op"):
+        super().__init__(reason)
+        self.reason = reason
+        self.category = category
+        self.site = None
+
+
+class RegionMissed(Divergence):
+    """No gradient region of the call ``call`` (a key) was recorded for this iteration's
+    forward pass, or for its shapes: a call that keeps missing gets one region for every
+    path (``regions.fold``, ``Config.fold_after``)."""
+
+    def __init__(self, reason: str, call, category: str):
+        super().__init__(reason, category)
+        self.call = call
+
+
+class PathEnded(Divergence):
+    """An op arrived after the whole recorded path had been matched: the loop is over, or
+    this iteration does more than the traced ones did after their last recorded op."""
+
+
+class RanThenDiverged(Divergence):
+    """A Python-run op ran for real and its outputs do not fit the graph: fall back, then
+    hand Python this ``result`` (running the op again would repeat its side effects)."""
+
+    ran = True
+
+    def __init__(self, reason: str, result, category: str = "shape change"):
+        super().__init__(reason, category)
+        self.result = result
+
+
+class IterationAborted(RuntimeError):
+    """A value was asked of an iteration whose graph work was discarded."""
+
+
+class GraphFailed(Exception):
+    """The graph raised while running an iteration; carries the job. ``at_end``: noticed
+    when Python had issued every op of the iteration (so the failing op is among them)."""
+
+    def __init__(self, job):
+        super().__init__(str(job.error))
+        self.job = job
+        self.at_end = False
+        self.ran = False  # the step being matched is in the log: the replay runs it
+        self.result = None  # then, what Python gets for it
