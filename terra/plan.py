@@ -108,11 +108,8 @@ class SymbolicGraph:
         cancelled job): its channels drained and counted from zero, as the steps' visits.
         A completed iteration leaves them so by itself (``PythonRunner.finish``)."""
         queues.settle()
-        steps = list(self.steps.values())
-        for step in steps:
-            steps.extend(step.body)
         channels = {id(c): c for _, c in self.switch_cases if c is not None}
-        for step in steps:
+        for step in self.steps.values():  # region and loop bodies among them
             step.visits = 0
             found = [*step.feed, *step.out_feed, *step.fetch]
             if step.backward_feeds:

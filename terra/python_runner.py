@@ -152,6 +152,13 @@ class PythonRunner:
         self.it = None
         self.wait_cm = cancellation.CancellationManager()
         self.stall_time = 0.0
+        # What validation learned, the runner's own (the TraceGraph and the plan are only
+        # read in co-execution): per const slot (by id) the tensor last validated as its
+        # value and the Python scalars known to convert to it, and per step the output
+        # specs inferred for input shapes no trace had.
+        self._const_ids = {}
+        self._scalars = {}
+        self._inferred = {}
 
     # -- iteration ----------------------------------------------------------------------
     def begin(self, it: Iteration):
@@ -533,7 +540,7 @@ class PythonRunner:
                 if kind == "capture":
                     if a._id != slot.tensor._id:
                         raise _bad(step, i, "is a different tensor")
-                elif kind == "const" and a._id == slot.last_id:
+                elif kind == "const" and a._id == self._const_ids.get(id(slot)):
                     pass  # the very tensor validated last time (TF caches converted scalars)
                 elif a._datatype_enum() != slot.dtype:
                     raise _bad(step, i, "changed dtype", "shape change")
@@ -541,7 +548,7 @@ class PythonRunner:
                     v = a._numpy_internal()  # bytes: -0.0 or another NaN counts as a change
                     if v.shape != slot.value.shape or v.tobytes() != slot.value_bytes:
                         raise _bad(step, i, "constant value changed", "value change")
-                    slot.last_id = a._id
+                    self._const_ids[id(slot)] = a._id
                 elif kind == "feed":
                     if not _shape_ok(a._shape_tuple(), slot.shape):
                         raise _bad(step, i, "changed shape", "shape change")
@@ -554,11 +561,12 @@ class PythonRunner:
                 log.append(a)
             elif kind == "const":
                 scalar = type(a) in _SCALARS
-                if not (scalar and (type(a), a) in slot.accepted):  # 1, 1.0, True differ
+                accepted = self._scalars.get(id(slot), ())
+                if not (scalar and (type(a), a) in accepted):  # 1, 1.0, True differ
                     if not _converts_to(a, slot.value):
                         raise _bad(step, i, "constant value changed", "value change")
                     if scalar:
-                        slot.accepted.add((type(a), a))
+                        self._scalars.setdefault(id(slot), set()).add((type(a), a))
                 log.append(a)
             elif kind == "feed":
                 t = constant_op.constant(a, dtype=dtypes.as_dtype(slot.dtype))
@@ -689,12 +697,14 @@ class PythonRunner:
             key = tuple(a._shape_tuple() if type(a) is _EagerTensor else np.shape(a)
                         for a in flat)
             specs = None if step.value_shaped else step.node.sigs.get(key)
+            if specs is None and not step.value_shaped:
+                specs = self._inferred.get((step, key))
             if specs is None and step.dynamic:  # fetched: the stand-ins are never used
                 specs = step.out_specs
             elif specs is None:
                 specs, always = self._inferred_specs(step, flat, key)
                 if always:
-                    step.node.sigs[key] = specs
+                    self._inferred[(step, key)] = specs
         outs, entries = self._new_outputs(step, specs)
         if step.dynamic:  # data-dependent shapes: the real outputs, whatever their shapes (the
             # ops that read them look their shapes up by input shapes: _downstream)

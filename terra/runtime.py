@@ -647,7 +647,8 @@ class Runtime:
         finally:
             runner.sweep(it)
             it.release()
-            if detour:
+            if detour:  # its hook-table entries (the replayed outputs it noted) go with it
+                self.recorder.finish()
                 self.recorder = None
         if isinstance(why, GraphFailed) and why.at_end:
             # Python issued every op and eager ran them all without an error: the numbers

@@ -57,7 +57,7 @@ class NodeKind(enum.Enum):
 class Slot:
     """Where one input of a node comes from."""
 
-    __slots__ = ("kind", "alts", "tensor", "value", "value_bytes", "accepted", "last_id",
+    __slots__ = ("kind", "alts", "tensor", "value", "value_bytes",
                  "dtype", "shape", "ids", "values_vary", "seen")
 
     def __init__(self, kind, node=None, out=0, tensor=None):
@@ -70,8 +70,6 @@ class Slot:
         self.alts = [(node, out)] if node is not None else []
         self.tensor = tensor
         self.value = self.value_bytes = None
-        self.accepted = set()  # Python scalars known to convert to ``value`` (const slots)
-        self.last_id = None  # the tensor last validated as ``value`` (const slots)
         self.dtype = self.shape = None
         self.ids = set()
         self.values_vary = False
