@@ -55,11 +55,9 @@ def fallback_exception():
     return core._FallbackException()
 
 
-def pack_fast(info, step, outs):
-    """Shape results like ``TFE_Py_FastPathExecute``: one tensor, None, or (nested) lists."""
-    plan = step.pack
-    if plan is None:
-        plan = step.pack = pack_plan(info, step)
+def pack_fast(plan, outs):
+    """Shape results like ``TFE_Py_FastPathExecute`` by ``plan`` (:func:`pack_plan`): one
+    tensor, None, or (nested) lists."""
     if plan == "one":
         return outs[0]
     if plan == "all":

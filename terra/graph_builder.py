@@ -105,8 +105,11 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
     body.__name__ = name
     function = def_function.function(body, autograph=False).get_concrete_function()
     off = finish_plan(tracegraph, steps, symbolic, unseen, varying, xla, exact)
-    return SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
-                         list(emitter.written.values()), rewriters_off=off, loops=list(loops))
+    graph = SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
+                          list(emitter.written.values()), rewriters_off=off, loops=list(loops))
+    if config.check:
+        graph.freeze()
+    return graph
 
 
 def _check(tracegraph):

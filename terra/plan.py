@@ -26,12 +26,14 @@ _INT_DTYPES = frozenset(d.as_datatype_enum for d in (dtypes.int32, dtypes.int64)
 
 
 class Step:
-    """What the PythonRunner does at one node of the TraceGraph."""
+    """What the PythonRunner does at one node of the TraceGraph. Written by generation only:
+    the runner keeps its own state per step (``PythonRunner.seqs``, ``visits`` and its
+    memos); under ``TERRA_CHECK`` the steps of a built graph refuse writes
+    (:meth:`SymbolicGraph.freeze`)."""
 
-    __slots__ = ("node", "kind", "op_type", "attrs", "fp_attrs", "slots", "feed", "out_specs",
+    __slots__ = ("node", "kind", "op_type", "attrs", "slots", "feed", "out_specs",
                  "check_shapes", "value_shaped", "fetch", "has_fetch", "static", "dynamic",
-                 "python", "out_feed",
-                 "body", "results", "pack", "slow_attrs", "next", "puts", "visits", "seq",
+                 "python", "out_feed", "body", "results", "next", "puts",
                  "owner", "cone_phis", "backward_feeds", "looped", "any_path")
 
     def __init__(self, node: TraceNode | None):
@@ -41,9 +43,8 @@ class Step:
         # ...); None when no edge out of this step feeds any
         self.puts = None
         self.has_fetch = False
-        self.visits = 0  # iterations that passed this step: the position in its channels
-        self.seq = -1  # when the PythonRunner last passed it (its running count of steps)
-        self.owner = self  # whose ``seq`` counts for it: a gradient op's is its region's head
+        # whose pass counts for it (``PythonRunner.seqs``): a gradient op's is its region's head
+        self.owner = self
         self.looped = node is not None and node.loop is not None  # passed once per trip
         self.body = []  # GRAD: the steps of its region, which Python skips; LOOP: its body
         # GRAD: the joined inputs of its cone, ((slot, input index of the call or None,
@@ -57,8 +58,6 @@ class Step:
         self.kind = node.kind
         self.op_type = node.op_type
         self.attrs = node.attrs
-        self.fp_attrs = None  # the raw fast-path attr tuple, learned on first validation
-        self.slow_attrs = None  # the same for the slow path
         self.slots = [settled(slot) for slot in node.inputs]
         self.feed = [None] * len(node.inputs)  # slot index -> Channel for feed slots
         self.out_specs = node.out_specs
@@ -77,10 +76,18 @@ class Step:
         # where eager's is: the PythonRunner checks each iteration reaches its sources
         self.any_path = node.kind is NodeKind.GRAD and regions.folded(node) and \
             node.attrs[4].endswith("NONE")
-        self.pack = None  # how the fast path groups outputs, learned on first use
 
     def __repr__(self):
         return "<start>" if self.node is None else f"<step {self.node!r} {self.op_type}>"
+
+
+class FrozenStep(Step):
+    """A :class:`Step` of a built graph under ``TERRA_CHECK``: a write is a bug."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"the plan is read-only once built: {self!r}.{name} was written")
 
 
 class SymbolicGraph:
@@ -103,14 +110,20 @@ class SymbolicGraph:
         self.call_attrs = tuple(itertools.chain(*attrs.items()))
         self.snapshot_fn = _snapshot_function(written)
 
+    def freeze(self):
+        """From here on a step refuses writes (the plan is a contract the runner only reads):
+        used under ``TERRA_CHECK``, at no cost otherwise."""
+        for step in self.steps.values():
+            step.__class__ = FrozenStep
+
     def rewind(self):
         """Make the graph ready for a new iteration after one was abandoned mid-way (a
-        cancelled job): its channels drained and counted from zero, as the steps' visits.
-        A completed iteration leaves them so by itself (``PythonRunner.finish``)."""
+        cancelled job): its channels drained and counted from zero (the runner resets its
+        own visits). A completed iteration leaves them so by itself
+        (``PythonRunner.finish``)."""
         queues.settle()
         channels = {id(c): c for _, c in self.switch_cases if c is not None}
         for step in self.steps.values():  # region and loop bodies among them
-            step.visits = 0
             found = [*step.feed, *step.out_feed, *step.fetch]
             if step.backward_feeds:
                 found += step.backward_feeds[0]

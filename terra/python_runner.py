@@ -42,7 +42,7 @@ from terra.fallback import (
     LoggedOp,
     LoggedPythonOp,
 )
-from terra.fast_path import fast_inputs, flatten, pack_fast
+from terra.fast_path import fast_inputs, flatten, pack_fast, pack_plan
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.plan import Step
 from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
@@ -84,8 +84,8 @@ class Entry:
     def __init__(self, runner, iteration, step, out, value=None):
         self.runner, self.iteration, self.step, self.out = runner, iteration, step, out
         self.value = value  # the real EagerTensor once known
-        self.visit = step.visits  # its position in the step's fetch channels
-        self.seq = runner.seq  # the step's pass that made it (Step.seq once it has moved)
+        self.visit = runner.visits.get(step, 0)  # its position in the step's fetch channels
+        self.seq = runner.seq  # the step's pass that made it (the step's seq once it moved)
 
     @property
     def node(self):
@@ -159,6 +159,16 @@ class PythonRunner:
         self._const_ids = {}
         self._scalars = {}
         self._inferred = {}
+        # The runner's state per step of the plan: ``seqs``, when it last passed the step
+        # (its running count ``seq``: which producer of a phi ran last); ``visits``, how many
+        # iterations passed it (the position of the next value in its fetch channels); and
+        # memos of the raw attr tuples validated (fast and slow path) and of how the fast
+        # path packs its results.
+        self.seqs = {}
+        self.visits = {}
+        self._fp_attrs = {}
+        self._slow_attrs = {}
+        self._packs = {}
 
     # -- iteration ----------------------------------------------------------------------
     def begin(self, it: Iteration):
@@ -172,6 +182,7 @@ class PythonRunner:
         """The graph is kept after an abandoned iteration (a detour): empty its channels, and
         give the wait a manager that was not cancelled."""
         self.graph.rewind()
+        self.visits.clear()
         self.wait_cm = cancellation.CancellationManager()
         self.cur = self.graph.start
 
@@ -202,29 +213,31 @@ class PythonRunner:
         attrs = args[n:]
         flat = flatten(info, inputs) if info.has_list else inputs
         step = self._expect(_OP, op_type, lambda s: self._fits(s, attrs, flat, True))
-        if attrs != step.fp_attrs:
+        if attrs != self._fp_attrs.get(step):
             self._check_attrs(step, op_type, attrs, cache=True)
         if step.python:
             real = [[self._real(x) for x in a] if type(a) in (list, tuple) else self._real(a)
                     for a in inputs]
             return self._run_python(step, flatten(info, real),
                                     ORIGINAL_FAST(ctx, op_type, name, *real, *attrs))
+        plan = self._packs.get(step)
+        if plan is None:
+            plan = self._packs[step] = pack_plan(info, step)
         try:
             outs = self._run(step, flat)
         except GraphFailed as failed:
             if failed.ran:
-                failed.result = pack_fast(info, step, failed.result)
+                failed.result = pack_fast(plan, failed.result)
             raise
-        plan = step.pack
         if plan == "one":
             return outs[0]
-        return pack_fast(info, step, outs)
+        return pack_fast(plan, outs)
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         op_type = opdefs.op_name(op_type)
         twin = functions.forward_of(op_type)  # a tf.function's call when no tape records
         step = self._expect(_OP, op_type, lambda s: self._fits(s, attrs, inputs, False), twin)
-        if attrs != step.slow_attrs:
+        if attrs != self._slow_attrs.get(step):
             self._check_attrs(step, op_type, attrs, cache=False)
         if step.python:
             real = [self._real(a) for a in inputs]
@@ -359,7 +372,7 @@ class PythonRunner:
         """``step`` is matched. At the last step of a path wait for the graph to finish the
         iteration, so a graph-side error is raised inside the iteration that caused it."""
         self.cur = step
-        step.seq = self.seq
+        self.seqs[step] = self.seq
         self.seq += 1
         if step.has_fetch:
             self._visit(step)
@@ -388,8 +401,9 @@ class PythonRunner:
 
     def _visit(self, step):
         """This iteration passed ``step``: its channels hold one more value, found by visit."""
-        self.it.fetch_visits.append((step, step.visits))
-        step.visits += 1
+        visit = self.visits.get(step, 0)
+        self.it.fetch_visits.append((step, visit))
+        self.visits[step] = visit + 1
 
     def _path_end(self):
         try:
@@ -469,7 +483,8 @@ class PythonRunner:
         """Whether an op with these attrs (None: not checked) and inputs matches ``step``;
         without side effects that matter (nothing is fed)."""
         try:
-            if attrs is not None and attrs != (step.fp_attrs if fast else step.slow_attrs):
+            if attrs is not None and attrs != (self._fp_attrs if fast else
+                                               self._slow_attrs).get(step):
                 self._check_attrs(step, step.op_type, attrs, cache=fast)
             self._validate(step, list(flat), feed=False)
         except Divergence:
@@ -485,9 +500,9 @@ class PythonRunner:
                 raise Divergence(f"attribute {name} of {op_type} changed", "attribute change")
         if len(given) == len(normalized):  # per-call seeds are never cached
             if cache:
-                step.fp_attrs = raw
+                self._fp_attrs[step] = raw
             else:
-                step.slow_attrs = raw
+                self._slow_attrs[step] = raw
 
     def _validate(self, step, flat, feed=True):
         slots = step.slots
@@ -505,7 +520,7 @@ class PythonRunner:
                 if kind == "node":
                     if e is None or e.iteration is not it:
                         raise _bad(step, i, "has a new producer")
-                    if e.step.looped and e.seq != e.step.seq:
+                    if e.step.looped and e.seq != self.seqs.get(e.step):
                         raise _bad(step, i, "is a value of an earlier trip of its loop")
                     alts = slot.alts
                     if len(alts) == 1:
@@ -584,12 +599,13 @@ class PythonRunner:
     def _ran_last(self, producer, alts):
         """Whether ``producer`` ran after every other of ``alts`` that ran this iteration
         (a gradient's ops count as run when the gradient call was)."""
-        mine = producer.owner.seq
+        seqs = self.seqs
+        mine = seqs.get(producer.owner, -1)
         floor = self.it.seq0
         step_of = self.step_of
         for n, _ in alts:
             other = step_of[n]
-            if other is not producer and floor <= other.owner.seq >= mine:
+            if other is not producer and floor <= seqs.get(other.owner, -1) >= mine:
                 return False
         return True
 
@@ -618,7 +634,8 @@ class PythonRunner:
     def _last_of(self, alts):
         """The alternative whose node ran last this iteration."""
         step_of = self.step_of
-        return max(alts, key=lambda p: step_of[p[0]].owner.seq)
+        seqs = self.seqs
+        return max(alts, key=lambda p: seqs.get(step_of[p[0]].owner, -1))
 
     # -- outputs ------------------------------------------------------------------------
     def _dummy(self, spec):
@@ -742,7 +759,7 @@ class PythonRunner:
                                       f"shape or dtype", result)
         for k, t in enumerate(flat_outs):
             e = Entry(self, self.it, step, k, value=t)
-            e.seq = step.seq
+            e.seq = self.seqs[step]
             self.tensors[t._id] = e
             self.it.entries.append((e, t))
             channel = step.out_feed[k]

@@ -3,7 +3,7 @@ each is a function of what the passes before it made, so each is run alone here.
 
 import numpy as np
 import pytest
-from test_graph_builder import trace
+from test_graph_builder import graph_of, trace
 from test_tracegraph import at, ext, op_at
 
 from terra import graph_builder
@@ -88,3 +88,18 @@ def test_an_error_while_emitting_names_the_node_and_the_users_line():
     message = str(raised.value)
     assert message.startswith("while emitting %") and "= Neg(" in message, message
     assert "# fig32.py:11: AssertionError" in message, message
+
+
+def test_a_built_plan_refuses_writes_under_terra_check(monkeypatch):
+    """The plan is a contract the PythonRunner only reads; with ``TERRA_CHECK`` (on in the
+    suite, so every co-executed test runs against frozen steps) a write raises."""
+    from terra.config import config
+
+    monkeypatch.setattr(config, "check", True)
+    _, graph = graph_of(trace(5, "Abs"), trace(5, "Abs"))
+    step = next(iter(graph.steps.values()))
+    with pytest.raises(AttributeError, match="read-only"):
+        step.check_shapes = True
+    monkeypatch.setattr(config, "check", False)
+    _, graph = graph_of(trace(5, "Abs"), trace(5, "Abs"))
+    next(iter(graph.steps.values())).check_shapes = True  # not frozen: no cost without it
