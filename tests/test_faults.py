@@ -135,6 +135,34 @@ def _left_behind():
     return facts
 
 
+def _interrupt_when_waiting(note=None, limit=10.0):
+    """SIGINT to this process as soon as its main thread is seen blocked in the PythonRunner's
+    wait for a fetch (polled from another thread; a fixed delay would race the graph, which
+    on a fast machine computes the loss before the delay is over). After ``limit`` seconds
+    without such a wait it is sent anyway, and the test's frame check fails."""
+    main = threading.main_thread().ident
+
+    def waiting():
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_name == "_wait":
+                return True
+            frame = frame.f_back
+        return False
+
+    def fire():
+        deadline = time.monotonic() + limit
+        while not waiting() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if note is not None:
+            note()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    return thread
+
+
 def child_interrupt_fetch():
     """Ctrl-C while Python waits for the loss the graph has not computed yet."""
     seen = {}
@@ -142,7 +170,7 @@ def child_interrupt_fetch():
     def fault(step):
         if step == FAULT_STEP:
             seen["phase_at_fault"] = terra.stats().phase
-            _interrupt_after(0.05, lambda: _job_running(seen))
+            _interrupt_when_waiting(lambda: _job_running(seen))
 
     return {**_interrupted_run(fault), **seen}
 
