@@ -1,7 +1,8 @@
 """Emission: the plan's steps as the ops of one ConcreteFunction (paper §3.2.2).
 
-Graph-side ops are recreated from their recorded type and attributes with ``create_op``;
-TF's automatic control dependencies order variable reads and writes as the trace did. Input
+Graph-side ops are recreated from their recorded type and attributes with ``create_op``
+(a ``tf.function`` call, the rounding guards and XLA marks: ``terra.graph_ops``); TF's
+automatic control dependencies order variable reads and writes as the trace did. Input
 Feeding points become ``QueueDequeueV2`` on a per-point queue, Output Fetching points
 ``QueueEnqueueV2``; every dequeue waits for the enqueues of fetch points that precede it in
 Python's order (Fig. 3.4), so the graph never waits for a value Python can only produce after
@@ -19,44 +20,30 @@ node and the user's line that issued it.
 """
 
 import collections
-import functools
 import itertools
 
 import numpy as np
-from tensorflow.core.framework import attr_value_pb2, function_pb2
-from tensorflow.python.eager import context
-from tensorflow.python.framework import constant_op, dtypes, ops, tensor_shape, tensor_util
+from tensorflow.python.framework import constant_op, ops, tensor_shape, tensor_util
 from tensorflow.python.ops import (
     array_ops,
     control_flow_switch_case,
-    gen_array_ops,
     gradients_impl,
     math_ops,
     while_loop,
 )
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
-from tensorflow.python.util import _pywrap_util_port, compat
 
 from terra import opdefs
+from terra.graph_ops import call_function, keep_eager_rounding, mark_for_xla, placeholder
+from terra.nodes import NodeKind, SlotKind, relax
 from terra.plan import shape_fn_decides
 from terra.queues import Channel
-from terra.tracegraph import NodeKind, relax
 
 _READ_ONLY_VAR_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
                                 "VariableShape"})
 # Outputs whose graph shape TF leaves unknown although it depends on nothing but the input
 # shapes (a kernel's scratch space): not data-dependent, so not fetched
 _SCRATCH_OUTPUTS = {"FusedBatchNormV3": frozenset({5}), "_FusedBatchNormEx": frozenset({5})}
-
-_ONEDNN = _pywrap_util_port.IsMklEnabled()
-
-# Grappler's rewrites that change how a value is rounded, off for an exact graph: constant
-# folding turns ``x / c`` into ``x * (1 / c)`` (a hard-swish's ``/ 6`` drifted MobileNetV3 off
-# eager), the arithmetic optimizer regroups sums and products and rewrites ``log(1 + x)`` as
-# ``log1p(x)``, and the remapper fuses patterns into oneDNN kernels (layer norm, GELU,
-# batch norm + activation) that compute them in another order.
-EXACT_OFF = frozenset({"constant_folding", "arithmetic_optimization", "remapping"})
-
 
 class NotSymbolic(Exception):
     """TF's symbolic gradient of a region does not stand for its tape's: emit its recorded
@@ -156,7 +143,7 @@ class Emitter:
             last_fetch = []
             self._emit_block(block, local, last_fetch)
             fetched.append(bool(last_fetch))
-            return [local[k] if k in local else _placeholder(*_spec(k, self.slots))
+            return [local[k] if k in local else placeholder(*_spec(k, self.slots))
                     for k in keys]
 
         return fn
@@ -174,17 +161,17 @@ class Emitter:
         inputs = [self._slot_tensor(step, i, slot, env, last_fetch)
                   for i, slot in enumerate(step.slots)]
         if opdefs.info(node.op_type).op_def is None:  # a tf.function's forward or backward
-            op = _call_function(graph, node, inputs)
+            op = call_function(graph, node, inputs)
         else:
             op = graph._create_op_internal(
                 node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
         if self.exact:
-            _keep_eager_rounding([op])
+            keep_eager_rounding([op])
         if self.xla and not step.check_shapes and not self._looping:  # a new shape would
             self._for_xla(graph, n_ops)  # recompile its cluster; a While is not clustered
         if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
             for slot in step.slots:
-                if slot.kind == "var":
+                if slot.kind is SlotKind.VAR:
                     self.written.setdefault(slot.tensor._id,
                                             (slot.tensor, _var_dtype(node, slot.tensor)))
         for k, t in enumerate(op.outputs):  # decided for all outputs before any is
@@ -219,7 +206,7 @@ class Emitter:
         except (LookupError, ValueError, TypeError) as e:  # e.g. an op with no gradient
             raise NotSymbolic(node) from e
         if self.exact:
-            _keep_eager_rounding(graph.get_operations()[n_ops:])
+            keep_eager_rounding(graph.get_operations()[n_ops:])
         if self.xla and not any(self.steps[p].check_shapes for _, p, _ in node.cone.values()):
             self._for_xla(graph, n_ops)
         for result, g in zip(node.results, grads, strict=True):
@@ -348,11 +335,11 @@ class Emitter:
         return t
 
     def _slot_tensor(self, step, i, slot, env, last_fetch):
-        if slot.kind in ("node", "same"):
+        if slot.kind in (SlotKind.NODE, SlotKind.SAME):
             return env[value_key(slot)]
-        if slot.kind in ("var", "capture"):
+        if slot.kind in (SlotKind.VAR, SlotKind.CAPTURE):
             t = self._captured(slot.tensor)
-        elif slot.kind == "const":
+        elif slot.kind is SlotKind.CONST:
             t = self._constant(slot.value, slot.dtype)
         else:
             t = self._dequeue(step.feed[i], last_fetch)
@@ -368,10 +355,7 @@ class Emitter:
         """Mark the compute ops created since ``n_ops`` for XLA (section 3.12)."""
         if self._scope is None:
             self._scope = f"{self.name}_{next(self._segments)}".encode()
-        for created in graph.get_operations()[n_ops:]:
-            if not created.type.startswith("Queue") and not _draws_random(created) \
-                    and created.type != "StatefulPartitionedCall":  # _call_function's
-                _compile_with_xla(created, self._scope)
+        mark_for_xla(graph.get_operations()[n_ops:], self._scope)
 
     def _note_dynamic(self, step, k, t):
         """Whether output ``k`` of ``step`` (``t`` in the graph) has a shape its input
@@ -410,7 +394,7 @@ def value_key(slot):
     if len(slot.alts) > 1:
         return ("phi", id(slot))
     node, out = slot.alts[0]
-    return ("v" if slot.kind == "node" else "s", node, out)
+    return ("v" if slot.kind is SlotKind.NODE else "s", node, out)
 
 
 def _spec(key, slots):
@@ -420,7 +404,7 @@ def _spec(key, slots):
     if key[0] == "s":
         slot = key[1].inputs[key[2]]
         return slot.dtype, slot.shape
-    specs = [_spec(("v" if slots[key[1]].kind == "node" else "s", *p), slots)
+    specs = [_spec(("v" if slots[key[1]].kind is SlotKind.NODE else "s", *p), slots)
              for p in slots[key[1]].alts]
     shape = specs[0][1]
     for _, other in specs[1:]:
@@ -440,7 +424,7 @@ def exports_of(planned, steps):
     exports = [dict() for _ in planned]  # ordered sets
     for node, step in steps.items():
         for slot in step.slots:
-            if slot.kind not in ("node", "same"):
+            if slot.kind not in (SlotKind.NODE, SlotKind.SAME):
                 continue
             key = value_key(slot)
             for p, _ in slot.alts:
@@ -458,83 +442,3 @@ def _var_dtype(node, handle):
         return data.shape_and_type[0].dtype
     attrs = dict(node.attrs)
     return attrs.get("dtype", attrs.get("T"))
-
-
-def _keep_eager_rounding(created):
-    """Keep oneDNN's graph rewrite from merging what eager runs apart, in the ``created``
-    graph ops.
-
-    With oneDNN on (TF's CPU default), the layout pass that runs on every function graph
-    merges a ``BiasAddGrad`` with the ``Conv2DBackpropFilter`` reading the same gradient into
-    one kernel, which sums the bias gradient in another order than eager's ``BiasAddGrad``:
-    a few ulps apart on strided convolutions, which momentum then grows (a Sonnet ConvNet
-    ended 1e-4 off eager after 40 steps). The pass merges only when both read the same
-    tensor, so the bias gradient reads a ``Snapshot`` of it (a copy Grappler keeps; an
-    ``Identity`` it would remove)."""
-    if not _ONEDNN:
-        return
-    for op in created:
-        if op.type == "BiasAddGrad":
-            op._update_input(0, gen_array_ops.snapshot(op.inputs[0]))
-
-
-def _call_function(graph, node, inputs):
-    """The call of library function ``node.op_type`` as eager made it: a
-    ``StatefulPartitionedCall`` of a copy marked ``_noinline``, with eager's call config. TF
-    then instantiates and optimizes the body on its own, as for the eager call, and its
-    numbers are eager's to the bit; inlined into the exact graph, the body's ops would round
-    as separate eager ops do, not as the function did (Grappler rewrites a ``tf.function``'s
-    body: ``x / 6`` is ``x * (1/6)`` there, 358 of 1000 values differed in the last bit)."""
-    attrs = dict(node.attrs)
-    out_types = [dtype for _, dtype in node.out_specs]
-
-    def types(values):
-        return attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=values))
-
-    op = graph._create_op_internal(
-        "StatefulPartitionedCall", inputs, dtypes=out_types, attrs={
-            "Tin": types([t.dtype.as_datatype_enum for t in inputs]), "Tout": types(out_types),
-            "f": attr_value_pb2.AttrValue(
-                func=attr_value_pb2.NameAttrList(name=_noinline_copy(node.op_type))),
-            "config_proto": attr_value_pb2.AttrValue(
-                s=compat.as_bytes(attrs.get("config_proto") or b"")),
-            "executor_type": attr_value_pb2.AttrValue(
-                s=compat.as_bytes(attrs.get("executor_type") or b""))})
-    for t, shape in zip(op.outputs, node.out_relaxed, strict=True):
-        t.set_shape(shape)
-    return op
-
-
-@functools.cache
-def _noinline_copy(name):
-    """A copy of library function ``name`` that TF's inliners leave alone."""
-    ctx = context.context()
-    fdef = function_pb2.FunctionDef()
-    fdef.CopyFrom(ctx.get_function_def(name))
-    fdef.signature.name = copy = f"{name}_terra_call"
-    fdef.attr["_noinline"].b = True
-    ctx.add_function_def(fdef)
-    return copy
-
-
-def _draws_random(op):
-    return any(word in op.type for word in ("Random", "TruncatedNormal", "Multinomial"))
-
-
-def _compile_with_xla(op, scope):
-    """Mark ``op`` for XLA in cluster scope ``scope``: what ``jit_scope`` does to the ops
-    created under it (one scope per segment between fetches cannot be a ``with`` block here:
-    a segment starts and ends in the middle of emitting a node)."""
-    op._set_attr("_XlaCompile", attr_value_pb2.AttrValue(b=True))
-    op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=scope))
-    op._set_attr("_XlaSeparateCompiledGradients", attr_value_pb2.AttrValue(b=False))
-
-
-def _placeholder(dtype, shape):
-    """A value a branch returns for what it does not compute (never read)."""
-    dt = dtypes.as_dtype(dtype)
-    if dt in (dtypes.resource, dtypes.variant):
-        raise NotImplementedError(f"a {dt.name} value leaves a branch of a switch-case")
-    if shape is None:
-        return array_ops.zeros((), dt)
-    return array_ops.zeros([0 if d is None else d for d in shape], dt)

@@ -6,7 +6,7 @@ intermediates its gradient needs) and puts its *backward* function on the tape
 (``record_operation``); with none, it runs its *inference* function (the outputs alone).
 Terra traces with the user's tapes recording, so the TraceGraph holds the forward call and,
 in the gradient region, the backward call; the graph calls both
-(``emitter._call_function``). In co-execution no real tape records, so the same Python
+(``graph_ops.call_function``). In co-execution no real tape records, so the same Python
 call arrives as the inference function. This module pairs the two names, from what TF hands
 the tape while tracing, and lets a fallback's replay put the backward function back on the
 tapes for a forward call that co-execution matched with its inference twin.

@@ -44,8 +44,10 @@ from tensorflow.python.framework import constant_op, ops
 
 from terra import regions
 from terra.config import config
-from terra.emitter import EXACT_OFF, Emitter, KeepUnrolled, NotSymbolic, exports_of
+from terra.emitter import Emitter, KeepUnrolled, NotSymbolic, exports_of
+from terra.graph_ops import EXACT_OFF
 from terra.loops import roll
+from terra.nodes import NodeKind, SlotKind
 from terra.plan import (
     INT32,
     SymbolicGraph,
@@ -54,7 +56,6 @@ from terra.plan import (
     switch_case_channels,
 )
 from terra.queues import Channel
-from terra.tracegraph import NodeKind
 
 _names = itertools.count()
 
@@ -62,7 +63,7 @@ _names = itertools.count()
 def generate(tracegraph, xla=False, exact=True, fold=frozenset()) -> SymbolicGraph:
     """Build the symbolic graph for every path of the TraceGraph (its compute ops compiled
     with XLA if ``xla``), its loops rolled into While ops (``terra.loops``). ``exact``: every
-    op rounds as its eager kernel does (``emitter.EXACT_OFF``, ``_keep_eager_rounding``).
+    op rounds as its eager kernel does (``graph_ops.EXACT_OFF``, ``keep_eager_rounding``).
     ``fold``: gradient calls (by key) whose regions become one (``terra.regions``)."""
     recorded, unrolled = set(), set()  # regions kept recorded (by node id), loops unrolled
     while True:
@@ -156,10 +157,10 @@ def feeds_and_fetches(steps, symbolic):
     slots = {}  # id -> slot, for phi keys
     for step in steps.values():
         for slot in step.slots:
-            if slot.kind in ("node", "same") and len(slot.alts) > 1:
+            if slot.kind in (SlotKind.NODE, SlotKind.SAME) and len(slot.alts) > 1:
                 slots[id(slot)] = slot
                 for p, k in slot.alts:
-                    key = (p, k) if slot.kind == "node" else ("s", p, k)
+                    key = (p, k) if slot.kind is SlotKind.NODE else ("s", p, k)
                     phi_of.setdefault(key, []).append(id(slot))
         if step.kind is NodeKind.GRAD:  # a result whose shape varies is fetched for its shape
             wanted.update(part for r in step.results for part in (r or ())[1:]
@@ -175,7 +176,7 @@ def feeds_and_fetches(steps, symbolic):
             if step.owner.node in symbolic:
                 continue  # its backward ops are not emitted
             for i, slot in enumerate(step.slots):
-                if slot.kind == "feed" and step.kind == NodeKind.OP and not step.python:
+                if slot.kind is SlotKind.FEED and step.kind == NodeKind.OP and not step.python:
                     step.feed[i] = Channel(slot.dtype, slot.shape)
             for k, (_, dtype) in enumerate(step.out_specs):
                 if step.python and (node, k) in graph_consumed:
@@ -228,13 +229,13 @@ def _backward_feeds(step, fetched_shapes, shaped):
     4x4: the mean's divisor is stale, and the gradient silently wrong). The region then accepts
     only the signatures traces had, even with nothing to feed."""
     feeds = [(body_step, i) for body_step in step.body
-             for i, slot in enumerate(body_step.slots) if slot.kind == "feed"]
+             for i, slot in enumerate(body_step.slots) if slot.kind is SlotKind.FEED]
     if not feeds and not shaped:
         return None
     table = {}
     for before, body in step.node.observations:
         sig = tuple(part for n, k, part in before if (n in fetched_shapes if k is None else
-                    n.inputs[k].kind == "feed" and n.kind is NodeKind.OP and n.in_graph and
+                    n.inputs[k].kind is SlotKind.FEED and n.kind is NodeKind.OP and n.in_graph and
                     not n.in_body))
         values = [body.get((s.node, i)) for s, i in feeds]
         if any(v is None for v in values):
@@ -274,9 +275,9 @@ def _symbolic(step, in_branch):
     if step.kind is not NodeKind.GRAD or not node.taped:
         return False
     if not node.rolled and not any(
-            slot.kind == "feed" for body_step in step.body for slot in body_step.slots):
+            slot.kind is SlotKind.FEED for body_step in step.body for slot in body_step.slots):
         return False
-    if any(slot.kind == "feed" for slot in step.slots):
+    if any(slot.kind is SlotKind.FEED for slot in step.slots):
         return False
     return node not in in_branch and (regions.folded(node) or not any(
         producer in in_branch for _, producer, _ in node.cone.values()))
@@ -291,14 +292,14 @@ def _bodies_read_outside(steps):
     for step in steps.values():
         owner = step.owner
         for slot in step.slots:
-            if slot.kind not in ("node", "same"):
+            if slot.kind not in (SlotKind.NODE, SlotKind.SAME):
                 continue
             for p, out in slot.alts:
                 region = steps[p].owner if p in steps else None
                 if region is None or region is steps[p] or region is owner:
                     continue
                 results = {q for r in region.node.results or () if r for q in r[1:]}
-                if slot.kind == "same" or (p, out) not in results:
+                if slot.kind is SlotKind.SAME or (p, out) not in results:
                     needed.add(region.node)
     return needed
 
@@ -319,10 +320,11 @@ def _shapes_vary(tracegraph):
         before = len(varies)
         for node in order:
             for slot in node.inputs:
-                if slot.kind == "feed" and not exact(slot.shape) or slot.kind == "same" and any(
-                        not exact(p.inputs[k].shape) for p, k in slot.alts):
+                if slot.kind is SlotKind.FEED and not exact(slot.shape) or \
+                        slot.kind is SlotKind.SAME and any(
+                            not exact(p.inputs[k].shape) for p, k in slot.alts):
                     varies.add(node)
-                elif slot.kind == "node" and (
+                elif slot.kind is SlotKind.NODE and (
                         any(p in varies or not p.in_graph and not exact(p.out_relaxed[k])
                             for p, k in slot.alts) or
                         len({tuple(p.out_relaxed[k] or ()) for p, k in slot.alts}) > 1):
@@ -333,7 +335,7 @@ def _shapes_vary(tracegraph):
 
 def _alts_of(step):
     """Every producer (node, out) that a graph input of ``step`` may read."""
-    return [(slot, p) for slot in step.slots if slot.kind == "node" for p in slot.alts]
+    return [(slot, p) for slot in step.slots if slot.kind is SlotKind.NODE for p in slot.alts]
 
 
 def _downstream(tracegraph, sources):
@@ -346,7 +348,7 @@ def _downstream(tracegraph, sources):
         before = len(reached)
         for node in order:
             if node not in reached and any(p in reached for slot in node.inputs
-                                           if slot.kind == "node" for p, _ in slot.alts):
+                                           if slot.kind is SlotKind.NODE for p, _ in slot.alts):
                 reached.add(node)
         if len(reached) == before:
             return reached - set(sources)

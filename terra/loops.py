@@ -28,15 +28,16 @@ new one falls back, as before.
 
 import copy
 
-from terra.tracegraph import (
+from terra.nodes import (
     NodeKind,
     Slot,
-    TraceGraph,
+    SlotKind,
     region_body,
     relax,
     result_map,
     result_structure,
 )
+from terra.tracegraph import TraceGraph
 
 
 class _NotRollable(Exception):
@@ -129,14 +130,14 @@ class _Rolling:
         c, p = self.c, self.p
         slots = [c[t][j].inputs[i] for t in range(p, len(c))]
         kinds = {s.kind for s in slots}
-        if kinds <= {"const", "capture", "feed"}:
+        if kinds <= {SlotKind.CONST, SlotKind.CAPTURE, SlotKind.FEED}:
             return self._external(slots, c[p - 1][j].inputs[i])
         if len(kinds) > 1 or any(len(s.alts) > 1 for s in slots):
             raise _NotRollable("an input of a trip joins paths")
         kind = slots[0].kind
-        if kind in ("var", "resource"):
+        if kind in (SlotKind.VAR, SlotKind.RESOURCE):
             peeled = c[p - 1][j].inputs[i]
-            if kind == "var" and (peeled.kind != "var" or
+            if kind is SlotKind.VAR and (peeled.kind is not SlotKind.VAR or
                                   len({s.tensor._id for s in slots + [peeled]}) > 1):
                 raise _NotRollable("trips read different variables")
             return copy.copy(slots[0])
@@ -149,7 +150,7 @@ class _Rolling:
                 fits.add(("before", n, out))  # from before the rolled trips: invariant
             if where is not None and where[0] == t and where[1] < j:
                 fits.add(("trip", where[1], out))
-            if kind == "node" and where is not None and where[0] == t - 1 and where[1] >= j:
+            if kind is SlotKind.NODE and where is not None and where[0] == t - 1 and where[1] >= j:
                 fits.add(("carried", where[1], out))
             choices = fits if choices is None else choices & fits
         if not choices:
@@ -159,7 +160,7 @@ class _Rolling:
             return Slot(kind, a, out)
         if how == "trip":
             return Slot(kind, _Pending(a), out)
-        slot = Slot("node", c[p - 1][a], out)
+        slot = Slot(SlotKind.NODE, c[p - 1][a], out)
         slot.alts.append((_Pending(a), out))
         return slot
 
@@ -168,20 +169,20 @@ class _Rolling:
         """A constant if every rolled trip and the last peeled one read the same one, a
         captured tensor if every rolled trip read that one, else a value fed at every trip."""
         first = slots[0]
-        same = slots + ([peeled] if peeled.kind == "const" else [])
-        if all(s.kind == "const" for s in slots) and all(
+        same = slots + ([peeled] if peeled.kind is SlotKind.CONST else [])
+        if all(s.kind is SlotKind.CONST for s in slots) and all(
                 s.value.shape == first.value.shape and s.value_bytes == first.value_bytes
                 for s in same):
             return copy.copy(first)
-        if all(s.kind == "capture" and s.tensor is first.tensor for s in slots):
+        if all(s.kind is SlotKind.CAPTURE and s.tensor is first.tensor for s in slots):
             return copy.copy(first)
-        if peeled.kind in ("const", "capture", "feed"):
+        if peeled.kind in (SlotKind.CONST, SlotKind.CAPTURE, SlotKind.FEED):
             slots = slots + [peeled]
         if len({s.dtype for s in slots}) > 1:
             raise _NotRollable("trips feed values of different dtypes")
-        feed = Slot("feed")
+        feed = Slot(SlotKind.FEED)
         feed.dtype, feed.values_vary = first.dtype, True
-        shapes = [tuple(s.value.shape) if s.kind == "const" else s.shape for s in slots]
+        shapes = [tuple(s.value.shape) if s.kind is SlotKind.CONST else s.shape for s in slots]
         feed.shape = shapes[0]
         for shape in shapes[1:]:
             feed.shape = relax(feed.shape, shape)
@@ -255,7 +256,7 @@ class _Rolling:
         for j, body in enumerate(self.body):  # loop variables: carried or read after the loop
             for out in range(len(body.out_specs)):
                 if (body, out) in later:
-                    head.inputs.append(Slot("node", clone[c[p - 1][j]], out))
+                    head.inputs.append(Slot(SlotKind.NODE, clone[c[p - 1][j]], out))
                     head.carried.append((body, out))
         self._edges(clone, merged, dropped)
         new.set_nodes([n for n in [clone.get(n) for n in graph.nodes] if n is not None]
@@ -265,11 +266,11 @@ class _Rolling:
     def _read(self, slot, out_of, in_merged_region):
         """A copy of ``slot`` of a node outside the rolled trips, its producers mapped."""
         new = copy.copy(slot)
-        if slot.kind not in ("node", "same"):
+        if slot.kind not in (SlotKind.NODE, SlotKind.SAME):
             return new
         from_loop = [(n, out) for n, out in slot.alts if n in self.rolled]
         if from_loop and not in_merged_region:
-            if slot.kind == "same":
+            if slot.kind is SlotKind.SAME:
                 raise _NotRollable("a value first read in a rolled trip is read after it")
             js = {(self.pos[n][1], out) for n, out in from_loop}
             peeled = [(n, out) for n, out in slot.alts if self.pos.get(n, (-1,))[0] == self.p - 1]
@@ -284,7 +285,7 @@ class _Rolling:
         region: TF's symbolic gradient replaces them)."""
         later = {alt for b in self.body for s in b.inputs if len(s.alts) > 1 for alt in s.alts}
         later.update(alt for n in clone.values() if n.loop is None and n not in symbolic
-                     for s in n.inputs if s.kind == "node" for alt in s.alts)
+                     for s in n.inputs if s.kind is SlotKind.NODE for alt in s.alts)
         return later
 
     def _grad_copy(self, old, node, out_of):
@@ -303,14 +304,14 @@ class _Rolling:
             node.observations = []  # TF's symbolic gradient needs no backward feeds
             for g in group[1:]:
                 if len(g.inputs) != len(node.inputs) or any(
-                        a.kind != b.kind for a, b in zip(g.inputs, node.inputs)):
+                        a.kind is not b.kind for a, b in zip(g.inputs, node.inputs)):
                     raise _NotRollable("gradients through the loop differ in their inputs")
                 for slot, other in zip(node.inputs, g.inputs):
                     slot.alts = list(dict.fromkeys(
                         slot.alts + [out_of(n, out) for n, out in other.alts]))
             return
         node.observations = []  # used only for backward feeds (graph_builder._backward_feeds)
-        if any(s.kind == "feed" for b in region_body(old) for s in b.inputs):
+        if any(s.kind is SlotKind.FEED for b in region_body(old) for s in b.inputs):
             # backward values are looked up by what was fed before the call: in the copy a
             # rolled trip's ops stand for every trip, so only regions before the loop keep
             # their table

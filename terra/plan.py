@@ -18,8 +18,8 @@ from tensorflow.python.ops import gen_resource_variable_ops
 
 from terra import opdefs, queues, regions
 from terra.case_assignment import assign_cases
+from terra.nodes import SMALL_CONST, NodeKind, SlotKind, TraceNode
 from terra.queues import Channel
-from terra.tracegraph import SMALL_CONST, NodeKind, TraceNode
 
 INT32 = dtypes.int32.as_datatype_enum
 _INT_DTYPES = frozenset(d.as_datatype_enum for d in (dtypes.int32, dtypes.int64))
@@ -286,19 +286,21 @@ def settled(slot):
     itself. Which op reads such a value first depends on the path (a mask read on both sides
     of two random choices); as a ``same`` input, a combination of branches no trace took
     would find its first reader had not run, and fall back."""
-    if slot.kind != "same":
+    if slot.kind is not SlotKind.SAME:
         return slot
     firsts = [node.inputs[k] for node, k in slot.alts]
-    if all(f.kind == "capture" for f in firsts) and len({f.tensor._id for f in firsts}) == 1 \
-            or all(f.kind == "const" for f in firsts) and len(
-                {(f.value.shape, f.value_bytes) for f in firsts}) == 1:
+    one_capture = all(f.kind is SlotKind.CAPTURE for f in firsts) and \
+        len({f.tensor._id for f in firsts}) == 1
+    one_const = all(f.kind is SlotKind.CONST for f in firsts) and \
+        len({(f.value.shape, f.value_bytes) for f in firsts}) == 1
+    if one_capture or one_const:
         return firsts[0]
     return slot
 
 
 def _small_int_feed(slot):
     """Whether ``slot`` is fed a small integer tensor from Python (a size, a shape)."""
-    return slot.kind == "feed" and slot.dtype in _INT_DTYPES and slot.shape is not None and \
+    return slot.kind is SlotKind.FEED and slot.dtype in _INT_DTYPES and slot.shape is not None and \
         None not in slot.shape and math.prod(slot.shape) <= SMALL_CONST
 
 
@@ -341,16 +343,16 @@ def _scratch_input(node, i, shape):
     """Input ``i`` of ``node`` for ``opdefs.scratch_output_shapes``, as the PythonRunner
     knows it."""
     slot = node.inputs[i]
-    if slot.kind in ("const", "feed") and slot.value is not None:
+    if slot.kind in (SlotKind.CONST, SlotKind.FEED) and slot.value is not None:
         return ("value", slot.value, dtypes.as_dtype(slot.dtype), None)
-    if slot.kind == "node":
+    if slot.kind is SlotKind.NODE:
         producer, out = slot.alts[0]
         dtype = producer.out_specs[out][1]
-    elif slot.kind == "same":
+    elif slot.kind is SlotKind.SAME:
         producer, k = slot.alts[0]
         dtype = producer.inputs[k].dtype
-    elif slot.kind == "var":  # the variable's shape rides on its handle
+    elif slot.kind is SlotKind.VAR:  # the variable's shape rides on its handle
         return ("handle", slot.tensor, None, None)
     else:
-        dtype = dtypes.resource if slot.kind == "resource" else slot.dtype
+        dtype = dtypes.resource if slot.kind is SlotKind.RESOURCE else slot.dtype
     return ("shape", None, dtypes.as_dtype(dtype), shape)

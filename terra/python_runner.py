@@ -44,8 +44,9 @@ from terra.fallback import (
 )
 from terra.fast_path import fast_inputs, flatten, pack_fast, pack_plan
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
+from terra.nodes import SMALL_CONST, NodeKind
 from terra.plan import Step
-from terra.tracegraph import SMALL_CONST, NodeKind, signature_part
+from terra.trace import signature_part
 
 _EagerTensor = ops.EagerTensor
 _tape_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped

@@ -26,13 +26,8 @@ not give the tape's structure, the GraphGenerator generates again without that f
 
 import copy
 
-from terra.tracegraph import (
-    NodeKind,
-    TraceGraph,
-    region_body,
-    result_map,
-    result_structure,
-)
+from terra.nodes import NodeKind, SlotKind, region_body, result_map, result_structure
+from terra.tracegraph import TraceGraph
 
 
 def folded(node) -> bool:
@@ -129,6 +124,6 @@ def _copy(graph, groups):
 
 def _mapped(slot, out_of):
     new = copy.copy(slot)
-    if slot.kind in ("node", "same"):
+    if slot.kind in (SlotKind.NODE, SlotKind.SAME):
         new.alts = list(dict.fromkeys(out_of(n, out) for n, out in slot.alts))
     return new

@@ -37,9 +37,10 @@ from terra.divergence import (
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import Sites, user_location
+from terra.nodes import NodeKind
 from terra.python_runner import Iteration, PythonRunner
 from terra.trace import Recorder
-from terra.tracegraph import NodeKind, TraceGraph
+from terra.tracegraph import TraceGraph
 
 log = logging.getLogger("terra")
 _WARN = ("fallback", "eager", "Terra error", "graph error")  # events worth a warning

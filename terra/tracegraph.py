@@ -1,147 +1,26 @@
 """The TraceGraph: every collected trace merged into one DAG (paper §3.2.2).
 
-Nodes are matched on (kind, op type, attributes) among the children of the latest matched
-node, *and* on where each input comes from: the same producer node and output, the same
-variable, or an external value. A miss starts a new branch. Only this module's methods add
-nodes or edges.
-
-External inputs are classified over all observations, so the graph can treat them cheaply and
-the PythonRunner can validate them soundly:
-
-- ``const``: a small tensor with the same value every time -> a graph constant, validated
-  by value;
-- ``capture``: the very same tensor object every time (checked over >= 2 traces) -> captured
-  by identity like a variable;
-- a value seen in one trace only is a ``const`` if it is tiny (``ONCE_CONST``), else a ``feed``;
-- ``feed``: anything else -> an Input Feeding queue; its dtype is validated and its shape
-  is validated against the shapes seen (a varying dimension is relaxed in the graph).
+Nodes (``terra.nodes``) are matched on (kind, op type, attributes, executed location) among
+the children of the latest matched node, *and* on where each input comes from: the same
+producer node and output, the same variable, or an external value. A miss merges back into a
+node elsewhere that fits, or starts a new branch. Only this module's methods add nodes or
+edges. External inputs are classified over all observations (``Slot.observe``), never matched
+on their values: new values widen the class.
 """
 
 import copy
-import enum
 import itertools
 
-import numpy as np
-from tensorflow.python.framework import dtypes
-
-from terra import opdefs
-from terra.trace import OpRecord
-
-SMALL_CONST = 64  # elements; larger external tensors are always fed
-# A value seen once cannot be told constant from varying. Guess by size: up to this many
-# elements (scalars, shapes, strides, axes) it is taken for a constant, anything larger (a
-# label batch) is fed. A wrong guess costs a fallback, or a feed of a value that never changes.
-ONCE_CONST = 8
-
-
-def relax(shape, new):
-    """The most specific shape (None: unknown dim or rank) that both shapes satisfy."""
-    if shape == new:
-        return shape
-    if shape is None or len(shape) != len(new):
-        return None
-    return tuple(a if a == b else None for a, b in zip(shape, new))
-
-
-class NodeKind(enum.Enum):
-    START = "start"
-    END = "end"
-    OP = "op"  # a TF op; ``in_graph`` says whether the graph or the PythonRunner runs it
-    MARK = "mark"  # tape enter / exit / watch
-    GRAD = "grad"  # head of a gradient region: the next ``body_len`` nodes are its ops
-    # a loop node (terra.loops, only in a rolled copy): the next ``body_len`` nodes are one
-    # trip of a Python loop, emitted as a tf.while_loop
-    LOOP = "loop"
-
-
-class Slot:
-    """Where one input of a node comes from."""
-
-    __slots__ = ("kind", "alts", "tensor", "value", "value_bytes",
-                 "dtype", "shape", "ids", "values_vary", "seen")
-
-    def __init__(self, kind, node=None, out=0, tensor=None):
-        self.kind = kind  # "node" | "var" | "resource" | "const" | "capture" | "feed" | "same"
-        # "resource": any resource handle, for ops run in Python (the iterator of an epoch)
-        # "same": the value of input ``out`` of ``node`` (an external value read again)
-        # node / same: the producers this input may come from, ``(node, out)`` each. More
-        # than one where paths join (the paper's Figure 3.2: x2 comes from either branch):
-        # the input is then the one of them that ran last, in eager as in the graph.
-        self.alts = [(node, out)] if node is not None else []
-        self.tensor = tensor
-        self.value = self.value_bytes = None
-        self.dtype = self.shape = None
-        self.ids = set()
-        self.values_vary = False
-        self.seen = 0  # observations (external slots)
-
-    @classmethod
-    def external(cls, t):
-        """An external input first seen as ``t``; the merge observes ``t`` (once: a value seen
-        in one trace is not yet known to be constant, nor the same tensor every time)."""
-        slot = cls("feed")
-        slot.dtype, slot.shape = t._datatype_enum(), t._shape_tuple()
-        return slot
-
-    def observe(self, t):
-        """Fold one more observation of an external input into the classification."""
-        self.seen += 1
-        self.shape = relax(self.shape, t._shape_tuple())
-        self.ids.add(t._id)
-        if not self.values_vary and t._num_elements() <= SMALL_CONST and \
-                t.dtype != dtypes.string and t.dtype != dtypes.variant:
-            value = t._numpy_internal()  # bypasses the materialization hook
-            if self.value is None:
-                self.value = np.array(value)
-                self.value_bytes = self.value.tobytes()
-            elif value.shape != self.value.shape or value.tobytes() != self.value_bytes:
-                self.values_vary = True  # by bytes, as the PythonRunner validates
-        else:
-            self.values_vary = True
-        if self.value is not None and not self.values_vary and \
-                (self.seen > 1 or self.value.size <= ONCE_CONST):
-            self.kind, self.tensor = "const", None
-        elif self.seen > 1 and len(self.ids) == 1:
-            self.kind, self.tensor = "capture", t  # the very same tensor every time
-        else:
-            self.kind, self.tensor = "feed", None
-
-    def matches(self, ref, trace, join=False):
-        """Whether the input ``ref`` of a record of ``trace`` (a :class:`_Matched`) fits.
-        With ``join`` a new producer fits too if it ran after the others (merging back)."""
-        kind = ref[0]
-        if kind == "op" or kind == "same":
-            if self.kind != ("node" if kind == "op" else "same"):
-                return False
-            p = (trace.nodes[ref[1]], ref[2])
-            if p not in self.alts:
-                return join and trace.ran_last(p[0], self.alts, ref[1])
-            return len(self.alts) == 1 or trace.ran_last(p[0], self.alts, ref[1])
-        if kind == "var":
-            return self.kind == "resource" or \
-                self.kind == "var" and self.tensor._id == ref[1]._id
-        return self.kind in ("const", "capture", "feed") and \
-            self.dtype == ref[1]._datatype_enum()
-
-    def join(self, ref, trace):
-        """Add the producer of ``ref`` to the alternatives (it ``matches`` with ``join``)."""
-        if ref[0] in ("op", "same"):
-            p = (trace.nodes[ref[1]], ref[2])
-            if p not in self.alts:
-                self.alts.append(p)
-
-    def __str__(self):
-        if self.kind in ("node", "same"):
-            alts = "|".join(f"%{n.id}" + (f".in{k}" if self.kind == "same" else
-                                          f".{k}" if k else "") for n, k in self.alts)
-            return alts if len(self.alts) == 1 else f"phi({alts})"
-        if self.kind in ("var", "resource"):
-            return self.kind
-        if self.kind == "const":
-            return f"const({np.array2string(self.value, threshold=4)})"
-        shape = "?" if self.shape is None else "x".join("?" if d is None else str(d)
-                                                         for d in self.shape)
-        return f"{self.kind}[{dtypes.as_dtype(self.dtype).name} {shape}]"
+from terra.nodes import NodeKind, Slot, SlotKind, TraceNode, match_key, relax
+from terra.trace import (
+    OpRecord,
+    cone_of,
+    in_shapes,
+    observation_of,
+    periodic_runs,
+    resolve_result,
+    taped,
+)
 
 
 class _Matched:
@@ -175,109 +54,6 @@ class _Matched:
         for node in nodes:
             other.add(node, head)
         return other
-
-
-class TraceNode:
-    """A node of the TraceGraph. ``repr`` is ``%id``; :meth:`format` is one full line."""
-
-    def __init__(self, node_id, kind, rec: OpRecord | None = None):
-        self.id = node_id
-        self.kind = kind
-        self.succs: list[TraceNode] = []
-        self.preds: list[TraceNode] = []
-        self.op_type = rec.op_type if rec else kind.value
-        self.attrs = rec.attrs if rec else ()
-        self.location = rec.location if rec else None
-        self.site = rec.site if rec else None
-        self.in_body = False  # an op of a gradient region (only its head is ever a target)
-        self.in_graph = rec.in_graph if rec else False
-        self.inputs: list[Slot] = []
-        self.out_specs = rec.out_specs if rec else ()
-        self.sigs: dict[tuple, tuple] = {}  # input shapes -> output specs
-        self.out_relaxed = None  # per output: the shape over every observation (relax())
-        self.data_dependent = False  # output shapes seen to differ for equal input shapes
-        self.body_len = rec.body_len if rec else 0
-        self.results = None  # GRAD: per source leaf None | ("t", (node, out)) | ("is", ...)
-        # GRAD: where every input in the cone of its target came from when it was recorded
-        # (see _cone); a region is only valid where the forward pass was the same
-        self.cone = None
-        # GRAD: per trace through it, (what came before the call: (node, input, signature
-        # part) per external input and (node, None, output shapes) per op, {(body node,
-        # input): value} of the body's external inputs): backward ops compute shape-derived
-        # values in Python; Terra feeds them by the iteration's signature
-        self.observations = []
-        # GRAD: in every trace, the forward ops its sources reach its target through were
-        # recorded by its tape (see _taped): TF's symbolic gradient of the graph then
-        # differentiates what the tape did
-        self.taped = True
-        self.fetched: set[int] = set()
-        self.escaped: set[int] = set()
-        self.seen = 0  # traces that went through this node
-        self.loop = None  # in a rolled copy (terra.loops): the LOOP node whose body it is
-        # GRAD, in a rolled copy: the regions of every trip count through a loop, merged;
-        # emitted as TF's symbolic gradient through the While. The loop's first trip's nodes
-        # (its key in ``TraceGraph.trips``), else None
-        self.rolled = None
-        # what a node of the same op, issued from the same call stack, shares with it in
-        # every trip of a loop (its key but the occurrence)
-        self.stack_key = (kind, self.op_type, opdefs.key_attrs(self.attrs),
-                          self.site[0] if self.site else None)
-
-    @property
-    def key(self):
-        return _key(self)
-
-    def __repr__(self):
-        return f"%{self.id}"
-
-    def format(self) -> str:
-        attrs = ", ".join(f"{k}={_short(v)}" for k, v in self.attrs if k not in ("T", "dtype")) \
-            if self.kind == NodeKind.OP else ""
-        args = ", ".join(str(s) for s in self.inputs)
-        extra = []
-        if not self.in_graph and self.kind == NodeKind.OP:
-            extra.append("python")
-        if self.fetched:
-            extra.append(f"fetch={sorted(self.fetched)}")
-        if self.escaped:
-            extra.append(f"escape={sorted(self.escaped)}")
-        if self.kind in (NodeKind.GRAD, NodeKind.LOOP):
-            extra.append(f"body={self.body_len}")
-        if self.kind == NodeKind.LOOP:  # its inputs: the values its first rolled trip reads
-            extra.append(f"trips={'|'.join(map(str, self.counts))} peeled={self.peeled}")
-        where = f"  # {_where(self.location)}" if self.location else ""
-        succ = " -> " + ", ".join(repr(s) for s in self.succs) if len(self.succs) > 1 else ""
-        tags = f" [{' '.join(extra)}]" if extra else ""
-        head = f"{self.op_type}[{attrs}]" if attrs else self.op_type
-        return f"%{self.id} = {head}({args}){tags}{succ}{where}"
-
-
-def _short(v):
-    s = repr(v)
-    return s if len(s) <= 24 else s[:21] + "..."
-
-
-def _where(loc):
-    return f"{loc.file.rsplit('/', 1)[-1]}:{loc.line}"
-
-
-def _in_shapes(rec, records):
-    shapes = []
-    for ref in rec.inputs:
-        if ref[0] == "same":
-            ref = records[ref[1]].inputs[ref[2]]
-        if ref[0] == "op":
-            shapes.append(records[ref[1]].out_specs[ref[2]][0])
-        else:
-            shapes.append(ref[1]._shape_tuple())
-    return tuple(shapes)
-
-
-def _key(n):
-    """What a node and a record must share to match (paper §3.2.2): type, attributes and
-    executed location."""
-    return (n.kind if isinstance(n.kind, NodeKind) else NodeKind(n.kind), n.op_type,
-            opdefs.key_attrs(n.attrs), n.site)
 
 
 class TraceGraph:
@@ -352,7 +128,7 @@ class TraceGraph:
 
     @staticmethod
     def _fits(node, rec, trace, join=False):
-        if node.key != _key(rec) or len(node.inputs) != len(rec.inputs):
+        if node.key != match_key(rec) or len(node.inputs) != len(rec.inputs):
             return False
         return all(s.matches(r, trace, join) for s, r in zip(node.inputs, rec.inputs))
 
@@ -387,7 +163,7 @@ class TraceGraph:
                     break
             if unit is None:
                 unit = self._merge_back(cur, records, i, trace)
-                folded = records[i].kind == "grad" and _key(records[i]) in any_path
+                folded = records[i].kind == "grad" and match_key(records[i]) in any_path
                 # back from a fresh region, or along a known edge reading what one computed
                 joins_fresh = unit is not None and (cur in fresh or unit[0][0] in cur.succs and any(
                     ref[0] in ("op", "same") and trace.nodes[ref[1]] in fresh
@@ -410,9 +186,9 @@ class TraceGraph:
         rec_nodes = trace.nodes
         for i, (rec, node) in enumerate(zip(records, rec_nodes)):
             if rec.kind == "grad":
-                node.results = [_resolve_result(r, rec_nodes) for r in rec.results]
-                node.observations.append(_observation(records, i, rec_nodes))
-                node.taped = node.taped and _taped(records, i)
+                node.results = [resolve_result(r, rec_nodes) for r in rec.results]
+                node.observations.append(observation_of(records, i, rec_nodes))
+                node.taped = node.taped and taped(records, i)
         if self.end not in cur.succs:
             covered = False
             self.link(cur, self.end)
@@ -429,7 +205,7 @@ class TraceGraph:
             return None
         if rec.kind != "grad":
             return [node], [node]
-        if node.cone != _cone(records, i, trace.nodes):
+        if node.cone != cone_of(records, i, trace.nodes):
             return None
         body = self._match_body(node, records, i, trace)
         return None if body is None else ([node] + body[0], [node] + body[1])
@@ -437,7 +213,7 @@ class TraceGraph:
     def _merge_back(self, cur, records, i, trace):
         """A node that is not a successor of ``cur`` but fits records ``i...`` (joining
         inputs where the new producer ran last), and from which ``cur`` is not reachable."""
-        for node in self._by_key.get(_key(records[i]), ()):
+        for node in self._by_key.get(match_key(records[i]), ()):
             unit = self._match_unit(node, records, i, trace, join=True)
             if unit is not None and not self._reaches(node, cur):
                 for slot, ref in zip(node.inputs, records[i].inputs):
@@ -471,7 +247,7 @@ class TraceGraph:
             unit.append(node)
             mapped.append(node)
         if rec.kind == "grad":
-            unit[0].cone = _cone(records, i, trace.nodes)
+            unit[0].cone = cone_of(records, i, trace.nodes)
         self._by_key.setdefault(unit[0].key, []).append(unit[0])
         return unit, unit
 
@@ -479,14 +255,14 @@ class TraceGraph:
         node = self._new_node(NodeKind(rec.kind), rec)
         # An op run in Python for real may take any handle: its outputs are fed to the graph
         # and validated there, and a fresh tf.data iterator per epoch must not split it.
-        handle = "resource" if rec.kind == "op" and not rec.in_graph else "var"
+        handle = SlotKind.RESOURCE if rec.kind == "op" and not rec.in_graph else SlotKind.VAR
         for ref in rec.inputs:
             if ref[0] == "op":
-                node.inputs.append(Slot("node", rec_nodes[ref[1]], ref[2]))
+                node.inputs.append(Slot(SlotKind.NODE, rec_nodes[ref[1]], ref[2]))
             elif ref[0] == "var":
                 node.inputs.append(Slot(handle, tensor=ref[1]))
             elif ref[0] == "same":
-                node.inputs.append(Slot("same", rec_nodes[ref[1]], ref[2]))
+                node.inputs.append(Slot(SlotKind.SAME, rec_nodes[ref[1]], ref[2]))
             else:
                 node.inputs.append(Slot.external(ref[1]))
         return node
@@ -501,7 +277,7 @@ class TraceGraph:
     @staticmethod
     def _absorb(node, rec, records):
         """Fold what one observation of ``node`` adds: shapes, fetches, escapes."""
-        sig = _in_shapes(rec, records)
+        sig = in_shapes(rec, records)
         if node.sigs.setdefault(sig, rec.out_specs) != rec.out_specs:
             node.sigs[sig] = rec.out_specs
             node.data_dependent = True  # same input shapes, new output shapes
@@ -616,169 +392,3 @@ class TraceGraph:
                 continue
             lines.append(n.format())
         return "\n".join(lines)
-
-
-def region_body(head):
-    """The backward ops of the gradient region ``head`` (a loop node's body), in the graph's
-    order: the chain of ``body_len`` nodes after it."""
-    body, n = [], head
-    for _ in range(head.body_len):
-        n = n.succs[0]
-        body.append(n)
-    return body
-
-
-def result_structure(region):
-    """What regions of one call made one must share: per source, None, or the result's kind
-    and which of its parts are None."""
-    return tuple(None if r is None else (r[0], tuple(q is None for q in r[1:]))
-                 for r in region.results)
-
-
-def result_map(region, kept):
-    """``(node, out)`` of each result of the gradient region ``region`` -> the same result of
-    ``kept``, for regions of one call made one."""
-    return {part: part_kept for r, r_kept in zip(region.results, kept.results, strict=True)
-            for part, part_kept in zip((r or ())[1:], (r_kept or ())[1:]) if part is not None}
-
-
-def periodic_runs(keys):
-    """The loops in a sequence of keys: ``[(start, period, count)]`` for each maximal run
-    ``keys[start:start + count * period]`` made of ``count >= 2`` repeats of its first
-    ``period`` keys, where ``period`` is the distance to the next occurrence of
-    ``keys[start]``. A key is an op's type, attributes and call stack: the same key again
-    means the same code issued again, which only a loop does. Runs do not overlap; an outer
-    loop whose inner loop ran the same trips each time is found whole, otherwise its inner
-    loops are."""
-    following = [None] * len(keys)
-    last = {}
-    for i in range(len(keys) - 1, -1, -1):
-        following[i] = last.get(keys[i])
-        last[keys[i]] = i
-    runs = []
-    i = 0
-    while i < len(keys):
-        j = following[i]
-        if j is None:
-            i += 1
-            continue
-        period, count = j - i, 1
-        pattern = keys[i:j]
-        while keys[i + count * period:i + (count + 1) * period] == pattern:
-            count += 1
-        if count >= 2:
-            runs.append((i, period, count))
-            i += count * period
-        else:
-            i += 1
-    return runs
-
-
-# (op type, input index) of inputs that are data to every gradient function of the op's
-# type: none computes a value from them in Python (a ``Shape`` reads only the shape). A tiny
-# batch's labels (eight int32s) are such a value; were its values part of the signature,
-# every batch would be a new one.
-DATA_INPUTS = frozenset({
-    ("Shape", 0), ("Size", 0), ("Rank", 0),
-    ("SparseSoftmaxCrossEntropyWithLogits", 1), ("Cast", 0), ("OneHot", 0),
-    ("GatherV2", 1), ("ResourceGather", 1), ("Equal", 0), ("Equal", 1), ("NotEqual", 0),
-    ("NotEqual", 1), ("Less", 0), ("Less", 1), ("Greater", 0), ("Greater", 1),
-})
-
-
-def signature_part(t, op_type=None, index=None):
-    """What an external input (input ``index`` of an ``op_type``) contributes to an
-    iteration's signature: its shape, and its value if it is a tiny integer (a size, an
-    index) that a gradient function may compute from, as bytes. Shapes are integers: a float
-    fed every step (a noise scale, a loss read back) does not make every signature new."""
-    if t._num_elements() <= ONCE_CONST and (t.dtype.is_integer or t.dtype == dtypes.bool) \
-            and (op_type, index) not in DATA_INPUTS:
-        return t._shape_tuple(), t._numpy_internal().tobytes()
-    return t._shape_tuple(), None
-
-
-def _observation(records, i, nodes):
-    """See ``TraceNode.observations``: what the gradient call at record ``i`` saw."""
-    before = []
-    for j in range(i):
-        before += [(nodes[j], k, signature_part(ref[1], records[j].op_type, k))
-                   for k, ref in enumerate(records[j].inputs) if ref[0] == "ext"]
-        before.append((nodes[j], None, tuple(spec[0] for spec in records[j].out_specs)))
-    body = {}
-    for j in range(i + 1, i + 1 + records[i].body_len):
-        for k, ref in enumerate(records[j].inputs):
-            if ref[0] == "ext" and ref[1]._num_elements() <= SMALL_CONST:
-                body[(nodes[j], k)] = np.array(ref[1]._numpy_internal())
-    return before, body
-
-
-def _cone(records, i, nodes):
-    """The forward pass a gradient region differentiates: for the gradient call (record
-    ``i``) and every op its target was computed from, where each input came from, as
-    ``{(node or None for the call, input index): (ref kind, producer node, out)}``.
-
-    The PythonRunner skips a region's ops, so it cannot see that they read what this
-    iteration computed. Two iterations whose forward passes join before the gradient call
-    (an if/else) reach one call node with the same inputs, but need different regions: a
-    region matches only where its cone is the same, and the PythonRunner checks the cone's
-    joined (phi) inputs took the recorded producer."""
-    cone = {}
-    seen = set()
-    stack = [(None, records[i])]
-    while stack:
-        node, rec = stack.pop()
-        for k, ref in enumerate(rec.inputs):
-            if ref[0] in ("op", "same"):
-                cone[(node, k)] = (ref[0], nodes[ref[1]], ref[2])
-                if ref[0] == "op" and ref[1] not in seen:
-                    seen.add(ref[1])
-                    stack.append((nodes[ref[1]], records[ref[1]]))
-    return cone
-
-
-def _taped(records, i):
-    """Whether every forward op that links a source of the gradient call at record ``i`` to
-    its target ran while the call's tape was recording: not before it was entered, not in
-    another gradient region (a gradient of gradients), not after the tape exited; and no
-    custom gradient (``tf.custom_gradient``) was put on the tapes before the call."""
-    rec = records[i]
-    if rec.after_custom:  # the tape holds a backward function the graph's ops do not have
-        return False
-    n_target, n_sources = rec.attrs[1], rec.attrs[2]
-    sources = rec.inputs[n_target:n_target + n_sources]
-    handles = {id(r[1]) for r in sources if r[0] == "var"}
-    source_ops = {r[1] for r in sources if r[0] == "op"}
-    enter = max((j for j in range(i) if records[j].kind == "mark" and
-                 records[j].op_type == "enter" and records[j].attrs == rec.attrs[0]),
-                default=None)
-    if enter is None:
-        return False
-    window_end = next((j for j in range(enter, i) if records[j].kind == "mark" and
-                       records[j].op_type == "exit" and records[j].attrs == rec.attrs[0]), i)
-    in_body = set()
-    for j in range(i):
-        if records[j].kind == "grad":
-            in_body.update(range(j + 1, j + 1 + records[j].body_len))
-    reached = []  # per record before the call: whether a source reaches it
-    for j in range(i):
-        reached.append(j in source_ops or any(
-            r[0] == "var" and id(r[1]) in handles or r[0] == "op" and reached[r[1]]
-            for r in records[j].inputs))
-    stack, seen = [r[1] for r in rec.inputs[:n_target] if r[0] == "op"], set()
-    while stack:
-        j = stack.pop()
-        if j in seen or j in source_ops:
-            continue
-        seen.add(j)
-        if reached[j] and (j < enter or j > window_end or j in in_body):
-            return False
-        stack.extend(r[1] for r in records[j].inputs if r[0] == "op")
-    return True
-
-
-def _resolve_result(r, rec_nodes):
-    if r is None:
-        return None
-    return (r[0],) + tuple(None if ref is None else (rec_nodes[ref[1]], ref[2]) for ref in r[1:])
-
-

@@ -8,7 +8,9 @@ from test_tracegraph import at, ext, figure_3_2_trace, op_at
 
 from terra.case_assignment import assign_cases
 from terra.loops import roll
-from terra.tracegraph import NodeKind, TraceGraph, periodic_runs
+from terra.nodes import NodeKind, SlotKind
+from terra.trace import periodic_runs
+from terra.tracegraph import TraceGraph
 
 
 def test_periodic_runs_are_the_repeats_of_a_key_until_the_pattern_breaks():
@@ -71,7 +73,8 @@ def test_a_constant_that_changes_from_trip_to_trip_is_fed_at_every_trip():
     rolled, loops = roll(merged(loop_trace(2, per_trip), loop_trace(4, per_trip)))
     [loop] = loops
     [body] = loop.succs
-    assert [s.kind for s in body.inputs] == ["node", "feed", "const"], str(rolled)
+    assert [s.kind for s in body.inputs] == [SlotKind.NODE, SlotKind.FEED, SlotKind.CONST], \
+        str(rolled)
     assert body.inputs[1].shape == (2,) and body.inputs[1].dtype == tf.float32.as_datatype_enum
     exp = next(n for n in rolled.nodes if n.op_type == "Exp")
     # after the loop: whichever ran last of the last peeled trip and the body

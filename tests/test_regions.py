@@ -5,8 +5,9 @@ import numpy as np
 from test_tracegraph import at, ext, grad_head, op_at
 
 from terra import regions
+from terra.nodes import NodeKind
 from terra.trace import OpRecord
-from terra.tracegraph import NodeKind, TraceGraph
+from terra.tracegraph import TraceGraph
 
 
 def trace(branch_line, op_type, taped=True):

@@ -5,6 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from terra.location import Location
+from terra.nodes import SlotKind
 from terra.trace import OpRecord
 from terra.tracegraph import TraceGraph
 
@@ -54,7 +55,8 @@ def test_external_inputs_are_classified_by_what_was_observed():
             op("Abs", ext(np.full((100,), float(step)))),  # changes: fed
         ])
     kinds = {n.op_type: n.inputs[0].kind for n in graph.nodes if n.inputs}
-    assert kinds == {"Neg": "const", "Exp": "capture", "Abs": "feed"}, str(graph)
+    assert kinds == {"Neg": SlotKind.CONST, "Exp": SlotKind.CAPTURE, "Abs": SlotKind.FEED}, \
+        str(graph)
 
 
 def test_an_input_seen_in_one_trace_is_fed():
@@ -67,7 +69,7 @@ def test_an_input_seen_in_one_trace_is_fed():
     graph = TraceGraph()
     graph.merge([op("Neg", ext([1.0, 2.0, 3.0, 4.0] * 4)), op("Exp", ("ext", big))])
     kinds = {n.op_type: (n.inputs[0].kind, n.inputs[0].seen) for n in graph.nodes if n.inputs}
-    assert kinds == {"Neg": ("feed", 1), "Exp": ("feed", 1)}, str(graph)
+    assert kinds == {"Neg": (SlotKind.FEED, 1), "Exp": (SlotKind.FEED, 1)}, str(graph)
 
 
 def test_a_different_producer_branches():
