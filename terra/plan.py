@@ -81,6 +81,12 @@ class Step:
         return "<start>" if self.node is None else f"<step {self.node!r} {self.op_type}>"
 
 
+def where(step):
+    """The user's line that issued ``step``'s op, for messages."""
+    loc = step.node.location
+    return f"{loc.file}:{loc.line}" if loc else "unknown location"
+
+
 class FrozenStep(Step):
     """A :class:`Step` of a built graph under ``TERRA_CHECK``: a write is a bug."""
 

@@ -17,7 +17,7 @@ from differential import assert_same_as_eager, record_stats
 from tiny_models import batch, classification_data, mlp_loop, mlp_task, sparse_xent, state
 
 import terra
-from terra import graph_runner, python_runner, runtime, trace, tracegraph
+from terra import graph_runner, python_runner, runtime, trace, tracegraph, validation
 
 
 class Injected(Exception):
@@ -49,7 +49,7 @@ STAGES = {
     "recording": (trace.Recorder, "record_op", 40, None),
     "merge": (tracegraph.TraceGraph, "merge", 2, None),
     "generation": (runtime, "generate", 1, None),
-    "validation": (python_runner.PythonRunner, "_validate", 30, None),
+    "validation": (validation.Validation, "inputs", 30, None),
     "fetch": (python_runner.PythonRunner, "value_of", 2, None),
     "gradient call": (python_runner.PythonRunner, "gradient", 2, None),
     "graph runner": (graph_runner.GraphRunner, "_run", 2, _graph_runner_crash),

@@ -1,0 +1,109 @@
+"""Which stand-ins outlive their iteration (escapes).
+
+At an iteration's end (or when it is left) the runner sweeps the stand-ins it handed out:
+an entry whose stand-in Python has dropped is forgotten, for an entry holds its real value,
+which would otherwise live on and look like an escape to the next trace; the others are kept
+until Python drops them, and at the end of a matched path given their values (:func:`finish`)
+or reported, so that the runtime falls back and the replay gives them theirs. Whether Python
+still holds a stand-in is read off its reference count, minus the references Terra holds.
+"""
+
+import functools
+import sys
+import types
+import weakref
+
+from tensorflow.python.framework import ops
+
+_EagerTensor = ops.EagerTensor
+
+
+def finish(it, tensors, unread):
+    """Sweep the ended iteration ``it``: give the entries Python still holds their values
+    (``unread``: the values its fetch channels held that nobody read, by step, visit and
+    output) and return those the graph gave none. If none, the iteration is released."""
+    uncovered = []
+    for e in sweep(it, tensors):  # Python still holds it: give it its value now
+        if e.value is None:
+            e.value = unread.get((e.step, e.visit, e.out))
+            if e.value is None:
+                uncovered.append(e)
+    if not uncovered:
+        it.release()
+    return uncovered
+
+
+def sweep(it, tensors):
+    """Forget the entries of the iteration ``it`` whose stand-ins Python has dropped, from
+    the hook table ``tensors``. Return the others; each is forgotten when Python drops its
+    stand-in."""
+    held, it.entries = it.entries, []
+    # the custom gradients kept for a replay hold stand-ins in their closures: those
+    # references are Terra's, not Python's
+    ours = _closure_refs(it.customs) if it.customs else {}
+    while True:
+        # A dropped stand-in can hold others (Keras 3 sets ``_keras_mask`` on tensors):
+        # once it is gone they may be dropped too, so sweep until nothing more goes.
+        pending, held = held, [pair for pair in held if _held(pair, tensors, ours)]
+        if len(held) == len(pending):
+            break
+        del pending
+    for _, t in held:
+        weakref.finalize(t, tensors.pop, t._id, None)
+    return [e for e, _ in held]
+
+
+def _held(pair, tensors, ours):
+    """Whether Python still holds the stand-in of an (entry, stand-in) pair (``ours``: the
+    references Terra holds elsewhere, by id); if not, forget its entry."""
+    e, t = pair
+    if sys.getrefcount(t) <= _BASE_REFS + (e.value is t) + ours.get(id(t), 0):
+        tensors.pop(t._id, None)
+        return False
+    return True
+
+
+def _closure_refs(customs):
+    """How often each tensor is referenced from the closures of the custom gradients'
+    backward functions (id -> count), through functions, cells, methods, partials and plain
+    containers; other objects (a Keras layer a method is bound to) are not entered."""
+    counts, seen = {}, set()
+    stack = [custom.backward for custom in customs]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            children = [*(obj.__closure__ or ()), *(obj.__defaults__ or ())]
+        elif isinstance(obj, types.CellType):
+            children = [obj.cell_contents] if _has_contents(obj) else []
+        elif isinstance(obj, types.MethodType):
+            children = [obj.__func__]
+        elif isinstance(obj, functools.partial):
+            children = [obj.func, *obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (list, tuple)):
+            children = obj
+        elif isinstance(obj, dict):
+            children = obj.values()
+        else:
+            continue
+        for child in children:
+            if type(child) is _EagerTensor:
+                counts[id(child)] = counts.get(id(child), 0) + 1
+            else:
+                stack.append(child)
+    return counts
+
+
+def _has_contents(cell):
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+# A tensor referenced only by the iteration's entry list: the pair, ``_held``'s local and
+# getrefcount's argument.
+_BASE_REFS = 3

@@ -1,0 +1,63 @@
+"""Following the plan's path where it branches: which successor of a branch point an op
+takes (section 3.11), and whether a loop's trip count is why an iteration left the path.
+
+The PythonRunner follows a path of single successors itself; these are the rarer choices,
+pure functions of the successors, the op being matched, the iteration's log of matched
+steps and the executed location (``terra.location.Sites``) of the op being issued.
+"""
+
+from terra.divergence import Divergence, PathEnded
+
+
+def branch(successors, kind, op_type, fits, twin, sites, log):
+    """The successor (index, step) an event of ``kind`` and ``op_type`` takes at a branch
+    point: of the candidates of its kind and type, the ones it fits (``fits(step)``), then
+    the one recorded at its executed location. ``twin``: another op type the step may have
+    (a ``tf.function``'s forward call, for its inference call), if the graph runs it."""
+    found = [(i, s) for i, s in enumerate(successors)
+             if s is not None and s.kind is kind and (
+                 s.op_type == op_type or s.op_type == twin and not s.python)]
+    if len(found) > 1:
+        found = [(i, s) for i, s in found if fits(s)] or found[:1]
+    if len(found) > 1:
+        found = _by_site(found, sites, log)
+    if not found:
+        if None in successors:
+            raise PathEnded(f"{op_type} after the end of a recorded iteration")
+        raise Divergence(f"new branch: {op_type} where the recorded iterations had "
+                         + ", ".join(sorted({s.op_type for s in successors if s is not None})))
+    return found[0]
+
+
+def _by_site(found, sites, log):
+    """Successors that fit alike (one helper called from two lines): the one recorded
+    at the executed location of the op being issued, if any."""
+    sid = sites.stack()
+    n = _issued_from(log, sid)
+    return [f for f in found if f[1].node.site == (sid, n) or
+            f[1].looped and f[1].node.site[0] == sid] or found[:1]
+
+
+def _issued_from(log, sid):
+    """How many steps of the iteration's ``log`` were matched at call stack ``sid``: the
+    occurrence of the next one there (``terra.location.Sites``)."""
+    return sum(1 for logged in log if logged.step.node.site[0] == sid)
+
+
+def loop_trips_differ(steps, cur, log, sid):
+    """Why the iteration leaves the path at ``cur``, if a loop is the cause: the op being
+    issued from call stack ``sid`` repeats it more often than any trace did (more trips), or
+    the recorded path goes on with another trip where this iteration issued something else
+    or ended (``sid`` None: nothing is being issued; fewer trips). None otherwise. ``steps``:
+    the plan's steps. A loop rolled into a While runs any number of trips from its peeled
+    ones on."""
+    n = _issued_from(log, sid)
+    here = [s for s in steps if s.node.site is not None and s.node.site[0] == sid]
+    seen = {s.node.site[1] for s in here}
+    if n and seen and n not in seen and not any(s.looped for s in here):
+        return f"a loop ran {n + 1} trips, more than any trace"
+    if (n in seen or sid is None) and any(
+            s is not None and not s.looped and s.node.site[1] > 0 and s.node.site[0] != sid
+            for s in cur.next):
+        return "a loop ran fewer trips than the traces that went on here"
+    return None

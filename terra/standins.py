@@ -1,0 +1,163 @@
+"""Stand-ins: what the PythonRunner hands Python in place of the outputs of an op it matched.
+
+A stand-in is a real EagerTensor of the output's shape and dtype, so ``.shape``, ``.dtype``
+and Keras' bookkeeping keep working while the graph computes the value: a fresh copy (a new
+``_id``) of one dummy per ``(shape, dtype)``. Its :class:`Entry` in the hook table says which
+node output it stands for; Python materializing it fetches the value (section 3.7). Where an
+op's output shapes vary with its input shapes, :meth:`StandIns.specs` finds them: by the
+input shapes the traces had, else from the op's shape function.
+"""
+
+import numpy as np
+from tensorflow.python.eager import context
+from tensorflow.python.framework import constant_op, dtypes, errors, ops
+from tensorflow.python.ops import gen_optional_ops
+
+from terra import interception, opdefs
+from terra.divergence import Divergence, IterationAborted
+from terra.nodes import SMALL_CONST, SlotKind
+from terra.plan import where
+
+_EagerTensor = ops.EagerTensor
+
+
+class Entry:
+    """Hook-table entry of a tensor the PythonRunner handed to Python. ``visit``: its
+    position in the step's fetch channels; ``seq``: the runner's count of matched steps when
+    the step that made it was matched (a loop's body step is matched once per trip)."""
+
+    __slots__ = ("runner", "iteration", "step", "out", "value", "visit", "seq")
+
+    def __init__(self, runner, iteration, step, out, value, visit, seq):
+        self.runner, self.iteration, self.step, self.out = runner, iteration, step, out
+        self.value = value  # the real EagerTensor once known
+        self.visit, self.seq = visit, seq
+
+    @property
+    def node(self):
+        return self.step.node
+
+    def numpy(self, tensor):
+        """The value Python materializes: fetched from the graph, or, if co-execution must be
+        left to get it, from the replay of the iteration so far."""
+        runner = self.runner
+        try:
+            value = runner.value_of(self)
+        except IterationAborted:
+            raise
+        except Exception as why:  # noqa: BLE001 - a mismatch, a graph error or Terra's own
+            runner.fallback(why)  # replays the iteration so far; raises the op's error if any
+            value = self.value
+            if value is None:
+                raise IterationAborted(f"the value of {self.step.op_type} at "
+                                       f"{where(self.step)} is unavailable") from why
+        return runner.original_numpy(value)
+
+
+class StandIns:
+    """The stand-ins of one runner's outputs: the dummies they copy (by spec), and the output
+    specs inferred for input shapes no trace had (the runner's own: co-execution only reads
+    the plan)."""
+
+    def __init__(self, runner, tensors):
+        self.runner = runner  # whose entries resolve the stand-ins' values
+        self.tensors = tensors  # the hook table: EagerTensor._id -> Entry
+        self.device = context.context().device_name or \
+            "/job:localhost/replica:0/task:0/device:CPU:0"
+        self.dummies = {}  # (shape, dtype) -> the tensor stand-ins of that spec copy
+        self.inferred = {}  # (step, input shapes) -> output specs from the shape function
+
+    def make(self, it, step, specs, visit, seq, start=0):
+        """Stand-ins for ``step``'s outputs ``start, start + 1, ...`` of ``specs``, with their
+        hook-table entries, noted among the iteration's ``it`` (for the sweep at its end).
+        Returns the stand-ins and the entries."""
+        runner, tensors, dummies, device = self.runner, self.tensors, self.dummies, self.device
+        escaping = it.entries
+        outs, entries = [], []
+        for k, spec in enumerate(specs, start):
+            dummy = dummies.get(spec)
+            if dummy is None:
+                dummy = self._dummy(spec)
+            s = dummy._copy_to_device(device)
+            e = Entry(runner, it, step, k, step.static[k], visit, seq)
+            tensors[s._id] = e
+            escaping.append((e, s))
+            outs.append(s)
+            entries.append(e)
+        return outs, entries
+
+    def _dummy(self, spec):
+        shape, dtype = spec
+        dt = dtypes.as_dtype(dtype)
+        if dt == dtypes.variant and shape == ():
+            # a variant is opaque to Python: only ops read it (tf.experimental.Optional's
+            # has_value/get_value, which Keras 3's fit calls every step), and those are matched
+            with interception.paused():
+                dummy = self.dummies[spec] = gen_optional_ops.optional_none()
+            return dummy
+        if dt in (dtypes.resource, dtypes.variant):
+            raise Divergence(f"cannot stand in for a {dt.name} tensor", "unsupported")
+        fill = b"" if dt == dtypes.string else 0
+        dummy = self.dummies[spec] = constant_op.constant(
+            np.full(shape, fill, dtype=dt.as_numpy_dtype))
+        return dummy
+
+    def specs(self, step, flat):
+        """The output specs of ``step`` (one whose output shapes vary, ``check_shapes``) for
+        the inputs ``flat``: those a trace had with these input shapes, else the ones its
+        shape function gives. A step whose outputs are fetched (``dynamic``) keeps its
+        recorded ones: Python gets the real outputs, never the stand-ins."""
+        key = tuple(a._shape_tuple() if type(a) is _EagerTensor else np.shape(a) for a in flat)
+        specs = None if step.value_shaped else step.node.sigs.get(key)
+        if specs is None and not step.value_shaped:
+            specs = self.inferred.get((step, key))
+        if specs is None and step.dynamic:
+            specs = step.out_specs
+        elif specs is None:
+            specs, always = inferred_specs(step, flat, key, self.tensors)
+            if always:
+                self.inferred[(step, key)] = specs
+        return specs
+
+
+def inferred_specs(step, flat, key, tensors):
+    """Output specs for input shapes no trace had, from the op's shape function (TF's
+    graph-mode shape inference), and whether they hold for every call with these input
+    shapes. The op is built in a scratch graph on placeholders of those shapes, with the
+    values of small inputs Python computed (a ``Reshape``'s target shape): where such a
+    value is fed, it can differ next time, so the specs are not kept. Where the shape
+    function leaves a dimension unknown, a Divergence: only a trace can tell."""
+    flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(
+        a, None if slot.dtype is None else dtypes.as_dtype(slot.dtype))
+        for a, slot in zip(flat, step.slots, strict=True)]
+    known = [tensors.get(a._id) is None and a._num_elements() <= SMALL_CONST and
+             a.dtype != dtypes.resource for a in flat]
+    try:
+        outputs = opdefs.scratch_output_shapes(step.op_type, step.attrs, [
+            ("value", a._numpy_internal(), a.dtype, None) if k else
+            ("handle", a, None, None) if a.dtype == dtypes.resource else
+            ("shape", None, a.dtype, shape)
+            for a, k, shape in zip(flat, known, key, strict=True)])
+    except (ValueError, TypeError, errors.OpError) as e:  # the shape function rejects them
+        raise Divergence(f"{step.op_type} called with new input shapes {key}: {e}",
+                         "shape change") from None
+    if not all(shape.is_fully_defined() for shape in outputs):
+        raise Divergence(f"{step.op_type} called with new input shapes {key}, for which "
+                         "its shape function gives no output shape", "shape change")
+    specs = tuple((tuple(shape.as_list()), dtype)
+                  for shape, (_, dtype) in zip(outputs, step.out_specs, strict=True))
+    return specs, all(slot.kind is SlotKind.CONST for slot, k in zip(step.slots, known) if k)
+
+
+def leaves(results, tensors):
+    """The entries of a gradient call's flat ``results`` (tensors, IndexedSlices or None):
+    what the replay gives their values."""
+    return [tensors[x._id] for g in results if g is not None
+            for x in ((g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))
+            if x is not None]
+
+
+def to_indexed_slices(values, indices, dense_shape):
+    from tensorflow.python.framework import indexed_slices
+
+    return indexed_slices.IndexedSlices(values, indices, dense_shape)
