@@ -6,7 +6,9 @@ behind ``tf.GradientTape`` for code you cannot edit; nothing else in the loop ch
 
 import tensorflow as tf
 
-from terra.runtime import configure, explain, reset, stats
+from terra.config import configure
+from terra.report import explain
+from terra.runtime import reset, stats
 from terra.tape import TerraGradientTape, disable, enable, enabled
 
 tf.TerraGradientTape = TerraGradientTape

@@ -122,3 +122,11 @@ class Config:
 
 
 config = Config.from_env()
+
+
+def configure(**switches):
+    """Set switches (see :class:`Config`), e.g. ``configure(lazy=True)``."""
+    for name, value in switches.items():
+        if not hasattr(config, name):
+            raise TypeError(f"unknown Terra switch {name!r}")
+        setattr(config, name, value)

@@ -61,3 +61,12 @@ class GraphFailed(Exception):
         self.at_end = False
         self.ran = False  # the step being matched is in the log: the replay runs it
         self.result = None  # then, what Python gets for it
+
+    def user_error(self):
+        """The graph's error as the user is to see it, where no replay reproduces it: TF's
+        own error type and message, saying it came from the graph Terra ran."""
+        err = self.job.error
+        if not hasattr(err, "message"):
+            return err
+        return type(err)(getattr(err, "node_def", None), getattr(err, "op", None),
+                         f"{err.message} (raised by the graph Terra ran for your loop)")

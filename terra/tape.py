@@ -23,7 +23,7 @@ from tensorflow.python.eager import backprop, context
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from terra import runtime
+from terra import events, marks, runtime
 from terra.config import config
 
 RealGradientTape = backprop.GradientTape
@@ -62,30 +62,30 @@ class TerraGradientTape(RealGradientTape):
         why = _why_plain()
         self.plain = why is not None
         if self.plain:
-            runtime.note_plain(why)
+            events.note_plain_tape(why)
             self.enter_real()
         else:
-            runtime.get().tape_enter(self)
+            runtime.get().marks.enter(self)
         return self
 
     def __exit__(self, typ, value, tb):
         if self.plain:
             self.exit_real()
         else:
-            runtime.get().tape_exit(self, typ is not None)
+            runtime.get().marks.exit(self, typ is not None)
         return False
 
     def watch(self, tensor):
         if self.plain:
             return self.real.watch(tensor)
-        runtime.get().tape_watch(self, nest.flatten(tensor))
+        runtime.get().marks.watch(self, nest.flatten(tensor))
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=UnconnectedGradients.NONE):
         if self.plain:
             return self.real.gradient(target, sources, output_gradients, unconnected_gradients)
-        return runtime.get().tape_gradient(self, target, sources, output_gradients,
-                                           unconnected_gradients)
+        return runtime.get().marks.gradient(self, target, sources, output_gradients,
+                                            unconnected_gradients)
 
     # -- the rest of the GradientTape API: on the real tape, leaving co-execution first -----
     def _on_real(self, what):
@@ -93,7 +93,7 @@ class TerraGradientTape(RealGradientTape):
         falls back first (the replay re-enters the real tape), and the trace of an iteration
         that used it is not merged (its ops are not one gradient region)."""
         if not self.plain:
-            runtime.get().step_aside(self, what)
+            runtime.get().marks.step_aside(self, what)
         if self.real is None:
             raise ValueError(f"GradientTape.{what} is only valid once the tape was entered")
         return self.real
@@ -121,7 +121,7 @@ class TerraGradientTape(RealGradientTape):
     def watched_variables(self):
         return self._on_real("watched_variables").watched_variables()
 
-    # -- used by the runtime ----------------------------------------------------------------
+    # -- used by the tape marks and the fallback's replay ---------------------------------
     def enter_real(self):
         self.real = RealGradientTape(self.persistent, self.watch_accessed_variables)
         self.real.__enter__()
@@ -146,7 +146,7 @@ class TerraGradientTape(RealGradientTape):
         if attrs is None:
             attrs = (self.mark_attrs, len(nest.flatten(target)), len(flat_sources),
                      output_gradients is None, str(unconnected))
-        tensors = runtime.grad_tensors(target, sources, output_gradients)
+        tensors = marks.grad_tensors(target, sources, output_gradients)
         index = recorder.begin_grad(attrs, tensors)
         result = self.real.gradient(target, sources, output_gradients, unconnected)
         recorder.end_grad(index, nest.flatten(result))

@@ -175,7 +175,7 @@ def _stats_dict() -> dict:
 
 def _explain() -> str:
     try:
-        return str(terra.explain())
+        return str(terra.explain(verbose=True))  # the checks read the TraceGraph too
     except Exception as error:  # the report must not hide the real failure
         return f"(terra.explain() raised {type(error).__name__}: {error})"
 

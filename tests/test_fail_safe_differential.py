@@ -17,7 +17,7 @@ from differential import assert_same_as_eager, record_stats
 from tiny_models import batch, classification_data, mlp_loop, mlp_task, sparse_xent, state
 
 import terra
-from terra import graph_runner, python_runner, runtime, trace, tracegraph, validation
+from terra import graph_runner, lifecycle, python_runner, trace, tracegraph, validation
 
 
 class Injected(Exception):
@@ -48,7 +48,7 @@ def _graph_runner_crash(original, self, job, ctx):
 STAGES = {
     "recording": (trace.Recorder, "record_op", 40, None),
     "merge": (tracegraph.TraceGraph, "merge", 2, None),
-    "generation": (runtime, "generate", 1, None),
+    "generation": (lifecycle, "generate", 1, None),
     "validation": (validation.Validation, "inputs", 30, None),
     "fetch": (python_runner.PythonRunner, "value_of", 2, None),
     "gradient call": (python_runner.PythonRunner, "gradient", 2, None),

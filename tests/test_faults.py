@@ -89,7 +89,7 @@ def _interrupt_after(seconds, note=None):
 def _job_running(seen):
     """Whether the graph job of the co-executed iteration is still running (read at the
     moment the interrupt is sent)."""
-    runner = terra.runtime._runtime.runner
+    runner = terra.runtime.current().runner
     job = runner.it.job if runner is not None and runner.it is not None else None
     seen["graph_running"] = job is not None and not job.done.is_set()
 
@@ -192,14 +192,14 @@ def child_interrupt_graph_running():
 
 def child_interrupt_generation_raises():
     """Graph generation raises KeyboardInterrupt (Ctrl-C inside Terra's builder)."""
-    original = terra.runtime.generate
+    original = terra.lifecycle.generate
 
     def interrupted(*args, **kwargs):
-        terra.runtime.generate = original
+        terra.lifecycle.generate = original
         raise KeyboardInterrupt
 
     def prepare(seen):
-        terra.runtime.generate = interrupted
+        terra.lifecycle.generate = interrupted
 
     seen = _interrupted_run(None, prepare)
     seen["phase_at_fault"] = "generation"
@@ -208,15 +208,15 @@ def child_interrupt_generation_raises():
 
 def child_interrupt_during_generation():
     """A real SIGINT that arrives while the graph is being generated."""
-    original = terra.runtime.generate
+    original = terra.lifecycle.generate
 
     def slow_generate(*args, **kwargs):
-        terra.runtime.generate = original
+        terra.lifecycle.generate = original
         _interrupt_after(0.02)
         return original(*args, **kwargs)
 
     def prepare(seen):
-        terra.runtime.generate = slow_generate
+        terra.lifecycle.generate = slow_generate
 
     seen = _interrupted_run(None, prepare)
     seen["phase_at_fault"] = "generation"
@@ -384,7 +384,7 @@ def test_interrupt_during_graph_generation(scenario, tmp_path):
     it (generation's failures become eager execution, but an interrupt is the user's), if a
     half-built state breaks the variables or the next loop, or if a thread is left."""
     facts, exit_seconds = run_child(scenario, tmp_path)
-    assert "_generate" in facts.get("frames", []), f"not interrupted in generation: {facts}"
+    assert "generate" in facts.get("frames", []), f"not interrupted in generation: {facts}"
     assert_clean_after_interrupt(facts, exit_seconds)
 
 

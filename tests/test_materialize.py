@@ -23,9 +23,9 @@ def unhooked():
     materialize.uninstall()
     yield
     if runtime_hook:
-        from terra import runtime
+        from terra import hooks
 
-        materialize.install(runtime._tensors, runtime._resolve)
+        hooks.install()
 
 
 @pytest.fixture

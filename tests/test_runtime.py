@@ -8,7 +8,7 @@ from tensorflow.python.ops import gen_data_flow_ops
 from tiny_models import batch, mlp_task
 
 import terra
-from terra import runtime
+from terra import hooks, runtime
 
 
 def train(steps, optimizer, after_step, detour_at=None):
@@ -51,12 +51,12 @@ def test_hook_table_forgets_tensors_python_drops_after_their_iteration():
     try:
         train(30, tf.keras.optimizers.SGD(0.1), lambda step, loss: kept.append(loss))
         assert runtime.get().stats.coexecuted >= 20, terra.explain()
-        held = len(runtime._tensors)
+        held = len(hooks.tensors)
         assert held >= 20  # the kept losses of the co-executed iterations
         values = [float(t) for t in kept]
         kept.clear()
         gc.collect()
-        assert len(runtime._tensors) <= held - 20, (held, len(runtime._tensors))
+        assert len(hooks.tensors) <= held - 20, (held, len(hooks.tensors))
         assert len(values) == 30
     finally:
         terra.reset()
@@ -72,7 +72,7 @@ def test_values_of_a_fallen_back_iteration_die_with_their_stand_ins():
         train(30, tf.keras.optimizers.Adam(1e-2), lambda step, loss: None, detour_at=12)
         rt = runtime.get()
         assert rt.stats.fallbacks >= 1 and rt.stats.coexecuted >= 10, terra.explain()
-        escaping = [node for node in rt.tracegraph.nodes if node.escaped]
+        escaping = [node for node in rt.lifecycle.tracegraph.nodes if node.escaped]
         assert not escaping, "\n".join(node.format() for node in escaping)
     finally:
         terra.reset()

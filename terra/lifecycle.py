@@ -1,0 +1,218 @@
+"""The graph's lifecycle: from the traces the runtime hands over to the graph it co-executes,
+and whether building one (again) pays.
+
+The runtime owns the phases; this owns what they are decided from: the TraceGraph every trace
+is merged into, the cost ledger (``terra.budget``), the gradient calls whose regions keep
+missing (``terra.regions``), the sites a detour ran eagerly from, and a graph being
+instantiated in the background (``terra.background``). Its answers go back to the runtime as
+return values (a graph to install, whether to generate or wait) or as :class:`GiveUp`; it
+never changes the runtime's state itself, so a phase is set in one place.
+"""
+
+import time
+
+from terra import background, budget, interception
+from terra.config import config
+from terra.graph_builder import generate
+from terra.tracegraph import TraceGraph
+
+_EAGER_PHASES = ("warmup", "eager", "waiting")  # iterations that ran plainly: eager's time
+
+
+class GiveUp(Exception):
+    """Co-execution cannot work or cannot pay here: the runtime runs eagerly from now on, and
+    ``explain()`` gives this reason."""
+
+
+class GraphLifecycle:
+    """The TraceGraph, the ledger and the decisions taken from them, for one runtime.
+
+    ``stats`` is the runtime's :class:`~terra.runtime.Stats`, read only: the counters the
+    decisions weigh. ``note(what, reason, where=None)`` records an event for ``explain()``."""
+
+    def __init__(self, stats, note):
+        self.tracegraph = TraceGraph()
+        self.ledger = budget.Ledger(budget=config.budget)
+        # gradient calls (by key) -> iterations, after the first graph was built, that none
+        # of their regions was recorded for (a fallback at the call, or a trace that added a
+        # region): past config.fold_after, one region serves every path (terra.regions)
+        self.region_misses = {}
+        self.detoured = {}  # user file:line -> iterations that ran eagerly from there
+        self._missed = None  # the call this iteration fell back at, counted already
+        self._generation_time = 0.0  # of the iteration that is ending
+        self._pending = None  # a background.Instantiation under way
+        self._stats = stats
+        self._note = note
+
+    def begin_iteration(self):
+        self._missed = None
+
+    def book(self, began, judge):
+        """Enter the iteration that just ended in the cost ledger, less the time generating
+        a graph took in it. ``began``: ``(phase, start time, site it fell back at or False)``,
+        or None if none began. With ``judge`` (Terra was tracing or co-executing), raise
+        :class:`GiveUp` if Terra is not earning back what it costs (``terra.budget``)."""
+        if began is not None:
+            phase, start, fell = began
+            kind = ("fell back" if fell else "eager" if phase in _EAGER_PHASES else
+                    "instantiating" if phase == "instantiating" else
+                    "traced" if phase == "tracing" else "coexecuted")
+            self.ledger.iteration(kind, time.perf_counter() - start - self._generation_time,
+                                  site=fell if fell else None)
+        self._generation_time = 0.0
+        verdict = self.ledger.verdict() if judge else None
+        if verdict is not None:
+            raise GiveUp(verdict)
+
+    # -- traces ---------------------------------------------------------------------------
+    def merge(self, rec):
+        """Merge a finished trace into the TraceGraph. Returns whether the TraceGraph already
+        covered it (time to generate), or None if the trace is not merged (dropped, aborted,
+        creating state, empty or too long). Raises :class:`GiveUp` when a gradient region
+        cannot be skipped by Python, or when merging fails (the TraceGraph may be
+        half-merged)."""
+        if rec.broken is not None:
+            self._note("Terra error while tracing (trace dropped)", rec.broken)
+            return None
+        if rec.creates_state or rec.aborted or not rec.records:
+            return None
+        if not rec.skippable:
+            why = "a gradient region contains ops that must run in Python"
+            if rec.unskippable is not None:
+                op, head = rec.unskippable
+                why += (f": {op.op_type} (stateful, not a variable op) in the gradient called "
+                        f"at {head.location.file}:{head.location.line}")
+            else:
+                why += ": a gradient that is not computed inside its region"
+            raise GiveUp(why)
+        if len(rec.records) > config.max_trace_ops:
+            return None
+        regions_before = self.tracegraph.regions() if self._stats.graph_generations else None
+        try:
+            covered, _ = self.tracegraph.merge(rec.records, any_path=self.folded())
+        except Exception as err:  # noqa: BLE001 - the TraceGraph may be half-merged: stop
+            if config.strict:
+                raise
+            raise GiveUp(f"Terra error while merging a trace: {type(err).__name__}: "
+                         f"{err}") from None
+        if regions_before is not None:
+            self._count_region_misses(regions_before)
+        if config.check:
+            self.tracegraph.lint()
+        return covered
+
+    def should_generate(self, fallbacks_in_a_row) -> bool:
+        """After a trace the TraceGraph covered: whether to generate the graph now. Raises
+        :class:`GiveUp` when fallbacks keep coming (``config.max_fallbacks_in_a_row``);
+        False, noted, when building the graph again would cost more than the budget affords
+        now (the runtime then waits, eagerly)."""
+        limit, s = config.max_fallbacks_in_a_row, self._stats
+        if fallbacks_in_a_row >= limit:
+            raise GiveUp(f"{fallbacks_in_a_row} fallbacks in a row: every graph was left "
+                         "before one iteration completed in it (see the fallbacks)")
+        if s.fallbacks >= limit and s.fallbacks > s.coexecuted:
+            raise GiveUp(f"{s.fallbacks} fallbacks and only {s.coexecuted} co-executed "
+                         "iterations: new paths keep coming (see the fallbacks)")
+        if s.graph_generations and not self._rebuild_allowed():
+            self._note("waiting", "building the graph again would cost more than the budget "
+                       "affords now: running eagerly until it does (see the cost ledger)")
+            return False
+        return True
+
+    def _rebuild_allowed(self) -> bool:
+        return self.ledger.rebuild_allowed(self._stats.graph_generations - 1,
+                                           config.free_rebuilds)
+
+    # -- graphs ---------------------------------------------------------------------------
+    def generate(self):
+        """The graph of the TraceGraph, to install now; or None while TF instantiates it in
+        another thread (``config.background``: :meth:`instantiated` hands it over). Raises
+        :class:`GiveUp` if it cannot be generated (the program stays eager)."""
+        t0 = time.perf_counter()
+        try:
+            with interception.paused():
+                graph = generate(self.tracegraph, xla=config.xla, exact=config.exact,
+                                 fold=self.folded())
+        except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
+            raise GiveUp(f"graph generation failed: {type(e).__name__}: {e}") from None
+        finally:
+            took = time.perf_counter() - t0
+            self._generation_time += took
+            self.ledger.generation(took)
+        if config.background:  # eager iterations until TF has instantiated it
+            self._pending = background.Instantiation(graph, self._stats.iterations)
+            return None
+        return graph
+
+    def instantiated(self):
+        """The graph instantiated in the background, once that is over (else None): the
+        runtime co-executes it from this iteration on. If instantiation failed, the graph's
+        first call fails the same way, which the GraphRunner handles."""
+        if self._pending is None or not self._pending.done():
+            return None
+        pending, self._pending = self._pending, None
+        try:
+            pending.result()
+        except Exception as e:  # noqa: BLE001 - noted; the graph's first call will tell
+            if config.strict:
+                raise
+            self._note("Terra error (instantiating the graph)", f"{type(e).__name__}: {e}")
+        first, last = pending.iteration + 1, self._stats.iterations - 1
+        self._note("graph instantiated", f"in the background in {pending.seconds:.2f}s, "
+                   + (f"while iterations {first}-{last} ran eagerly" if last >= first else
+                      "before the next iteration began"))
+        return pending.graph
+
+    def shutdown(self):
+        """Wait for a background instantiation: its graph is not used, but its thread is not
+        left running."""
+        if self._pending is not None:
+            self._pending.wait(config.timeout)
+
+    # -- fallbacks ------------------------------------------------------------------------
+    def keeps_graph(self, fallbacks_in_a_row) -> bool:
+        """Whether a fallback at a divergence keeps the graph: the iteration goes on eagerly
+        from there, untraced, and the next one co-executes again (a detour). Taken where
+        building the graph again for the new path would not pay (past the free rebuilds,
+        over the budget) and the previous iteration co-executed, so the graph still serves
+        the program: a site that keeps failing then costs the iterations that reach it, not
+        the whole run. Two in a row mean the path has changed: that fallback traces, as any
+        other."""
+        return (fallbacks_in_a_row == 1 and self._stats.graph_generations > 0
+                and not self._rebuild_allowed())
+
+    def note_detour(self, where):
+        at = f"{where.file}:{where.line}" if where else "?"
+        first = at not in self.detoured
+        self.detoured[at] = self.detoured.get(at, 0) + 1
+        if first:
+            self._note("detour", "a new path where building the graph again would cost more "
+                       "than the budget affords: this iteration runs eagerly from here, the "
+                       "graph is kept for the next (see the cost ledger)", where)
+
+    def fell_back_at(self, call):
+        """The iteration fell back at gradient call ``call``: none of its regions served."""
+        self._missed = call
+        self._region_missed(call)
+
+    # -- gradient regions -----------------------------------------------------------------
+    def folded(self):
+        """The gradient calls whose regions the graph makes one (``terra.regions``)."""
+        return {key for key, n in self.region_misses.items() if n >= config.fold_after}
+
+    def _count_region_misses(self, before):
+        """Count the iteration as a miss of each gradient call (of a graph already built)
+        its trace added a region to, unless it fell back at that call (counted then)."""
+        missed, self._missed = self._missed, None
+        for key, n in self.tracegraph.regions().items():
+            if n > before.get(key, 0) and before.get(key) and key != missed:
+                self._region_missed(key)
+
+    def _region_missed(self, key):
+        misses = self.region_misses[key] = self.region_misses.get(key, 0) + 1
+        if misses == config.fold_after:
+            self._note("one gradient region for every forward path", f"{misses} iterations "
+                       "after the graph was built took forward paths or shapes no region of "
+                       "this gradient call was recorded for: the next graph takes TF's "
+                       "gradient through the switch-cases there (terra.regions)",
+                       self.tracegraph.region_location(key))
