@@ -10,8 +10,16 @@ time of the run so far) and its last co-executed iterations were not faster than
 would never earn it back. (A program that never gets to co-execute is stopped by the
 fallback limits, ``Config.max_fallbacks_in_a_row``.)
 
-The first graph is always built: nothing tells in advance whether a program will settle, and
-so are the next few if the last one was cheap (``Config.free_rebuilds``, each costing at most
+The first graph is built once the traces predict it pays: a traced iteration tells how long
+its TF ops took to run (what co-execution moves to the graph thread) and how long recording
+took per op (Python work of the kind the skeleton does per op instead), so the saving per
+iteration and the cost of building are estimated before paying for them
+(:meth:`Ledger.first_graph`). A program whose ops are cheap next to its own Python (a
+TF-Agents DQN: ~5 ms of TF ops in a ~17 ms step, ~350 ops) would save nothing and is not
+built for; one whose saving pays the build back within the run so far (at least
+``Config.horizon`` iterations) is built for at once; the rest wait, eagerly, until the run is long
+enough. Nothing tells in advance whether a program will settle, and the next graphs are built
+if the last one was cheap (``Config.free_rebuilds``, each costing at most
 20 eager iterations: a late path or two is common). Past those, a graph built again after a
 fallback is an investment the ledger must afford: a program whose
 paths keep coming would otherwise pay a generation at every new one (seconds for a large
@@ -47,6 +55,22 @@ class Ledger:
     # iteration that fell back and the graph built again after it]
     sites: dict = dataclasses.field(default_factory=dict)
     _rebuild_for: str | None = None  # the site whose fallback the next generation follows
+    # per traced iteration: seconds in TF's eager execution of its ops (recording excluded),
+    # its op count, and the recorder's seconds per op
+    kernels: list = dataclasses.field(default_factory=list)
+    ops: list = dataclasses.field(default_factory=list)
+    per_op: list = dataclasses.field(default_factory=list)
+    horizon: float = 30  # iterations the first graph may take to pay back, at the least
+
+    # Building a graph and instantiating it, per node, in recorder-seconds-per-op: measured
+    # 15-18 for generation (TF's graph building in Python, ~0.25 ms per node on a 2-core
+    # CPU) and about as much again for the instantiation beside the eager iterations.
+    BUILD_PER_NODE = 32
+    # What co-execution costs the loop's thread per op it issues (the skeleton's matching,
+    # stand-ins, feeds and fetches, and the graph thread's share of 2 cores), in recording's
+    # seconds per op: 1.2-1.6 measured on the corpus (a co-executed step's time against an
+    # eager one's, less the TF ops' time, per op: TF-Agents' DQN, Sonnet's MLP, GPflow's GPR).
+    SKELETON_PER_OP = 1.25
 
     def reference(self):
         """Eager's time for one iteration, or None before one ran plainly. A traced
@@ -83,6 +107,48 @@ class Ledger:
             self.saved += ref - seconds
         else:
             self.spent += max(0.0, seconds - ref)
+
+    def profile(self, kernels: float, ops: int, per_op: float):
+        """A traced iteration's make-up: ``kernels`` seconds in TF's execution of its ops,
+        ``ops`` of which the skeleton would issue, ``per_op`` seconds recording one op."""
+        if ops:
+            self.kernels.append(kernels)
+            self.ops.append(ops)
+            self.per_op.append(per_op)
+
+    def saving(self) -> float | None:
+        """Seconds per iteration co-execution would save, predicted from the traces: the
+        TF ops' time leaves the loop's thread, the skeleton's per-op Python comes in."""
+        if not self.kernels:
+            return None
+        per_op = min(self.per_op) * self.SKELETON_PER_OP  # the warmest trace: the first
+        return min(self.kernels) - per_op * statistics.median(self.ops)  # pays for caches
+
+    def build_cost(self, nodes: int) -> float:
+        """Seconds building and instantiating a graph of ``nodes`` nodes would cost."""
+        if self.last_generation:
+            return 2 * self.last_generation
+        return self.BUILD_PER_NODE * min(self.per_op) * nodes
+
+    def first_graph(self, nodes: int) -> str | None:
+        """None if building the first graph (of ``nodes`` nodes) pays back within the run so
+        far, or ``horizon`` iterations; else why not (for ``explain()``)."""
+        saving = self.saving()
+        if saving is None or self.budget == float("inf"):
+            return None
+        cost = self.build_cost(nodes)
+        if saving > 0 and cost <= saving * max(self.horizon, self.iterations):
+            return None
+        ms = min(self.kernels) * 1e3
+        if saving <= 0:
+            return (f"co-execution would not be faster: the TF ops of an iteration take "
+                    f"~{ms:.1f} ms, less than the skeleton's Python for its "
+                    f"{statistics.median(self.ops):.0f} ops would (~{(ms - saving * 1e3):.1f} "
+                    "ms); running eagerly")
+        return (f"building the graph (~{cost:.2f}s) would pay back after "
+                f"~{cost / saving:.0f} iterations (it would save ~{saving * 1e3:.1f} ms of "
+                f"the ~{ms:.1f} ms the TF ops take per iteration): running eagerly until the "
+                "run is that long")
 
     def generation(self, seconds: float):
         self.spent += seconds

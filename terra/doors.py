@@ -7,6 +7,8 @@ replay already ran it. Both act on the runtime they are given (its recorder and 
 ``value`` and ``handle``), and read the hook table (``terra.hooks``), which they never fill.
 """
 
+from time import perf_counter as _clock
+
 from tensorflow.python.eager.core import _FallbackException
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
@@ -45,6 +47,8 @@ class TracingDoor:
         recorder = self.runtime.recorder
         start = len(recorder.records) if recorder is not None else 0
         real = [self.real(a) for a in args]
+        if recorder is not None:
+            began = _clock()
         try:
             return interception.ORIGINAL_FAST(ctx, op_type, name, *real)
         except _FallbackException:
@@ -53,6 +57,9 @@ class TracingDoor:
             if recorder is not None:
                 recorder.forget(start)
             raise
+        finally:
+            if recorder is not None:
+                recorder.executing += _clock() - began
 
     def custom_gradient(self, op_type, outputs, inputs, backward):
         """Count it for the trace; and if stand-ins are alive, record their values instead:
@@ -80,7 +87,14 @@ class TracingDoor:
         outputs = functions.forward_instead(op_type, num_outputs, inputs)
         if outputs is not None:  # a tf.function called in co-execution, run after a fallback
             return outputs
-        return interception.ORIGINAL_SLOW(op_type, num_outputs, inputs, attrs, ctx, name)
+        recorder = self.runtime.recorder
+        if recorder is None:
+            return interception.ORIGINAL_SLOW(op_type, num_outputs, inputs, attrs, ctx, name)
+        began = _clock()
+        try:
+            return interception.ORIGINAL_SLOW(op_type, num_outputs, inputs, attrs, ctx, name)
+        finally:
+            recorder.executing += _clock() - began
 
 
 def _rebuilt(seq, items):

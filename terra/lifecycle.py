@@ -32,7 +32,7 @@ class GraphLifecycle:
 
     def __init__(self, stats, note):
         self.tracegraph = TraceGraph()
-        self.ledger = budget.Ledger(budget=config.budget)
+        self.ledger = budget.Ledger(budget=config.budget, horizon=config.horizon)
         # gradient calls (by key) -> iterations, after the first graph was built, that none
         # of their regions was recorded for (a fallback at the call, or a trace that added a
         # region): past config.fold_after, one region serves every path (terra.regions)
@@ -41,6 +41,7 @@ class GraphLifecycle:
         self._missed = None  # the call this iteration fell back at, counted already
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
+        self._waited_for = None  # why the first graph is not built yet, once noted
         self._stats = stats
         self._note = note
 
@@ -76,6 +77,7 @@ class GraphLifecycle:
             return None
         if rec.creates_state or rec.aborted or not rec.records:
             return None
+        self.ledger.profile(*rec.profile())
         if not rec.skippable:
             why = "a gradient region contains ops that must run in Python"
             if rec.unskippable is not None:
@@ -117,7 +119,22 @@ class GraphLifecycle:
             self._note("waiting", "building the graph again would cost more than the budget "
                        "affords now: running eagerly until it does (see the cost ledger)")
             return False
+        if not s.graph_generations:
+            why = self.ledger.first_graph(len(self.tracegraph.nodes))
+            if why is not None:
+                if self._waited_for is None:  # noted once: the ledger says it each time
+                    self._note("waiting", why)
+                self._waited_for = why
+                return False
         return True
+
+    def may_build(self) -> bool:
+        """While waiting: whether the run is now long enough to build the graph (the first
+        pays back within the run so far; a later one fits the budget), so tracing starts
+        again."""
+        if self._stats.graph_generations:
+            return self.ledger.affordable()
+        return self.ledger.first_graph(len(self.tracegraph.nodes)) is None
 
     def _rebuild_allowed(self) -> bool:
         return self.ledger.rebuild_allowed(self._stats.graph_generations - 1,

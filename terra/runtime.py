@@ -129,7 +129,7 @@ class Runtime:
         s = self.stats
         s.iterations += 1
         if self.phase == "warmup" and s.iterations > config.warmup or \
-                self.phase == "waiting" and self.lifecycle.ledger.affordable():
+                self.phase == "waiting" and self.lifecycle.may_build():
             self.phase = "tracing"
         if self.phase == "instantiating":
             graph = self.lifecycle.instantiated()

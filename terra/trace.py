@@ -27,6 +27,7 @@ pass it differentiates (:func:`cone_of`), whether its tape recorded that pass
 
 import traceback
 import weakref
+from time import perf_counter as _clock
 
 import numpy as np
 from tensorflow.python.framework import dtypes
@@ -102,6 +103,10 @@ class Recorder:
         self.region_site = None  # inside a gradient region: the site of its head
         self.custom_gradients = 0  # tf.custom_gradient functions run (interception._record)
         self.broken = None  # Terra's own traceback if recording failed: the trace is dropped
+        # seconds in the op callback, and in TF's execution of the ops recorded (the doors
+        # add it up; the callback's time is part of it): the cost ledger's profile
+        self.seconds = 0.0
+        self.executing = 0.0
 
     # -- refs ---------------------------------------------------------------------------
     def ref(self, t):
@@ -174,6 +179,7 @@ class Recorder:
     def callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         if graph is not None or self.broken is not None:
             return  # ops added to a graph (a user tf.function being traced) are not ours
+        began = _clock()
         try:
             self.record_op(op_type, inputs, attrs, outputs)
         except Exception as err:  # noqa: BLE001 - Terra's failure must not fail the user's op
@@ -181,6 +187,17 @@ class Recorder:
                 raise
             self.broken = "".join(traceback.format_exception(err, limit=-4)).rstrip()
             self.aborted = True
+        self.seconds += _clock() - began
+
+    def profile(self):
+        """(seconds TF spent executing the recorded ops, ops the skeleton would issue: those
+        outside gradient regions, seconds recording took per op): the cost ledger's
+        prediction of what co-executing this iteration would save."""
+        ops = len(self.records)
+        if not ops:
+            return 0.0, 0, 0.0
+        skipped = sum(r.body_len for r in self.records if r.kind == "grad")
+        return self.executing - self.seconds, ops - skipped, self.seconds / ops
 
     def swap(self, x):
         """A stand-in whose value is known -> that value (used when replaying)."""
