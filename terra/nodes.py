@@ -249,7 +249,7 @@ def _where(loc):
 def match_key(n):
     """What a node and a record (either is ``n``) must share to match (paper §3.2.2): type,
     attributes and executed location."""
-    return (n.kind if isinstance(n.kind, NodeKind) else NodeKind(n.kind), n.op_type,
+    return (n.kind, n.op_type,
             opdefs.key_attrs(n.attrs), n.site)
 
 

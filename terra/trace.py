@@ -12,7 +12,7 @@ every executed op into an :class:`OpRecord` whose inputs are :data:`Ref` tuples:
   ``index`` (the batch read by a forward op and again by its gradient is fed once).
 
 Besides ops the trace holds *marks* (tape enter/exit/watch) and *gradient regions*: a
-``"grad"`` record followed by the ops ``tape.gradient`` ran. The PythonRunner validates a
+``NodeKind.GRAD`` record followed by the ops ``tape.gradient`` ran. The PythonRunner validates a
 gradient call as one step and skips its ops, so the backward pass costs Python nothing.
 Materializations (fetch points) and tensors still alive when the iteration ends (escapes) are
 recorded on the producing record.
@@ -35,7 +35,7 @@ from tensorflow.python.framework import dtypes
 from terra import opdefs
 from terra.config import config
 from terra.location import Sites, user_location
-from terra.nodes import ONCE_CONST, SMALL_CONST
+from terra.nodes import ONCE_CONST, SMALL_CONST, NodeKind
 
 _RESOURCE = dtypes.resource.as_datatype_enum
 SMALL_RESULT = 8  # elements: a gradient result no op computed, recorded as a value
@@ -49,7 +49,7 @@ class OpRecord:
 
     def __init__(self, kind, op_type, attrs, inputs, out_specs, location, in_graph=False,
                  site=None):
-        self.kind = kind  # "op" | "mark" | "grad"
+        self.kind = kind  # NodeKind.OP | MARK | GRAD
         self.op_type = op_type
         self.attrs = attrs
         self.inputs = inputs
@@ -155,7 +155,7 @@ class Recorder:
         # mean and variance) reads it as two external inputs, never as itself
         self.ext_first.update(firsts)
         location, site = self._where()
-        rec = OpRecord("op", op_type, opdefs.normalize_attrs(op_type, attrs), refs,
+        rec = OpRecord(NodeKind.OP, op_type, opdefs.normalize_attrs(op_type, attrs), refs,
                        tuple(spec_of(t) for t in outputs), location, in_graph, site)
         self.records.append(rec)
         self._outputs(index, rec, outputs)
@@ -196,7 +196,7 @@ class Recorder:
         ops = len(self.records)
         if not ops:
             return 0.0, 0, 0.0
-        skipped = sum(r.body_len for r in self.records if r.kind == "grad")
+        skipped = sum(r.body_len for r in self.records if r.kind is NodeKind.GRAD)
         return self.executing - self.seconds, ops - skipped, self.seconds / ops
 
     def swap(self, x):
@@ -208,15 +208,15 @@ class Recorder:
     # -- tape events --------------------------------------------------------------------
     def mark(self, what, attrs=(), tensors=()):
         location, site = self._where()
-        rec = OpRecord("mark", what, attrs, [self.ref(t) for t in tensors], (), location,
+        rec = OpRecord(NodeKind.MARK, what, attrs, [self.ref(t) for t in tensors], (), location,
                        site=site)
         self.records.append(rec)
         return rec
 
     def begin_grad(self, attrs, tensors):
         location, site = self._where()
-        rec = OpRecord("grad", "gradient", attrs, [self.ref(t) for t in tensors], (), location,
-                       site=site)
+        rec = OpRecord(NodeKind.GRAD, "gradient", attrs, [self.ref(t) for t in tensors], (),
+                       location, site=site)
         rec.after_custom = self.custom_gradients > 0
         self.records.append(rec)
         self.region_site = site
@@ -387,16 +387,16 @@ def taped(records, i):
     sources = rec.inputs[n_target:n_target + n_sources]
     handles = {id(r[1]) for r in sources if r[0] == "var"}
     source_ops = {r[1] for r in sources if r[0] == "op"}
-    enter = max((j for j in range(i) if records[j].kind == "mark" and
+    enter = max((j for j in range(i) if records[j].kind is NodeKind.MARK and
                  records[j].op_type == "enter" and records[j].attrs == rec.attrs[0]),
                 default=None)
     if enter is None:
         return False
-    window_end = next((j for j in range(enter, i) if records[j].kind == "mark" and
+    window_end = next((j for j in range(enter, i) if records[j].kind is NodeKind.MARK and
                        records[j].op_type == "exit" and records[j].attrs == rec.attrs[0]), i)
     in_body = set()
     for j in range(i):
-        if records[j].kind == "grad":
+        if records[j].kind is NodeKind.GRAD:
             in_body.update(range(j + 1, j + 1 + records[j].body_len))
     reached = []  # per record before the call: whether a source reaches it
     for j in range(i):

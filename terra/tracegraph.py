@@ -89,9 +89,9 @@ class TraceGraph:
         i = 0
         while i < len(records):
             rec = records[i]
-            if rec.kind == "op" and rec.site is not None and rec.location is not None:
+            if rec.kind is NodeKind.OP and rec.site is not None and rec.location is not None:
                 trips[rec.location] = max(trips.get(rec.location, 0), rec.site[1] + 1)
-            i += 1 + (rec.body_len if rec.kind == "grad" else 0)
+            i += 1 + (rec.body_len if rec.kind is NodeKind.GRAD else 0)
         for location in self.repeats.keys() | trips.keys():
             self.repeats.setdefault(location, set()).add(trips.get(location, 0))
 
@@ -163,7 +163,7 @@ class TraceGraph:
                     break
             if unit is None:
                 unit = self._merge_back(cur, records, i, trace)
-                folded = records[i].kind == "grad" and match_key(records[i]) in any_path
+                folded = records[i].kind is NodeKind.GRAD and match_key(records[i]) in any_path
                 # back from a fresh region, or along a known edge reading what one computed
                 joins_fresh = unit is not None and (cur in fresh or unit[0][0] in cur.succs and any(
                     ref[0] in ("op", "same") and trace.nodes[ref[1]] in fresh
@@ -185,7 +185,7 @@ class TraceGraph:
             i += len(in_record_order)
         rec_nodes = trace.nodes
         for i, (rec, node) in enumerate(zip(records, rec_nodes)):
-            if rec.kind == "grad":
+            if rec.kind is NodeKind.GRAD:
                 node.results = [resolve_result(r, rec_nodes) for r in rec.results]
                 node.observations.append(observation_of(records, i, rec_nodes))
                 node.taped = node.taped and taped(records, i)
@@ -203,7 +203,7 @@ class TraceGraph:
         rec = records[i]
         if node.in_body or not self._fits(node, rec, trace, join):
             return None
-        if rec.kind != "grad":
+        if rec.kind is not NodeKind.GRAD:
             return [node], [node]
         if node.cone != cone_of(records, i, trace.nodes):
             return None
@@ -239,23 +239,23 @@ class TraceGraph:
         rec = records[i]
         mapped = list(trace.nodes)
         unit = []
-        for j in range(i, i + 1 + (rec.body_len if rec.kind == "grad" else 0)):
+        for j in range(i, i + 1 + (rec.body_len if rec.kind is NodeKind.GRAD else 0)):
             node = self._add(records[j], mapped)
             node.in_body = j > i
             if unit:
                 self.link(unit[-1], node)
             unit.append(node)
             mapped.append(node)
-        if rec.kind == "grad":
+        if rec.kind is NodeKind.GRAD:
             unit[0].cone = cone_of(records, i, trace.nodes)
         self._by_key.setdefault(unit[0].key, []).append(unit[0])
         return unit, unit
 
     def _add(self, rec, rec_nodes):
-        node = self._new_node(NodeKind(rec.kind), rec)
+        node = self._new_node(rec.kind, rec)
         # An op run in Python for real may take any handle: its outputs are fed to the graph
         # and validated there, and a fresh tf.data iterator per epoch must not split it.
-        handle = SlotKind.RESOURCE if rec.kind == "op" and not rec.in_graph else SlotKind.VAR
+        handle = SlotKind.RESOURCE if rec.kind is NodeKind.OP and not rec.in_graph else SlotKind.VAR
         for ref in rec.inputs:
             if ref[0] == "op":
                 node.inputs.append(Slot(SlotKind.NODE, rec_nodes[ref[1]], ref[2]))
@@ -287,7 +287,7 @@ class TraceGraph:
             [relax(a, spec[0]) for a, spec in zip(relaxed, rec.out_specs)]
         node.fetched |= rec.fetched
         node.escaped |= rec.escaped
-        if rec.kind == "grad":
+        if rec.kind is NodeKind.GRAD:
             node.body_len = rec.body_len
 
     def _match_body(self, head, records, i, trace):

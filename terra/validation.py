@@ -86,7 +86,7 @@ class Validation:
                 log.append(self._python_value(it, step, i, slot, a, feed))
                 continue
             e = tensors.get(a._id)
-            if slot.kind != "node":
+            if slot.kind is not SlotKind.NODE:
                 log.append(self._external(it, step, i, slot, a, e, feed))
                 continue
             # the common case, kept inline: a stand-in of this iteration

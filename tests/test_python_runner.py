@@ -20,6 +20,7 @@ from terra.divergence import Divergence, GraphFailed, PathEnded
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import Sites
+from terra.nodes import NodeKind
 from terra.python_runner import Iteration, PythonRunner
 from terra.trace import OpRecord, Recorder
 from terra.tracegraph import TraceGraph
@@ -278,7 +279,7 @@ def test_a_graph_error_is_raised_at_the_paths_end_with_the_stand_in(threads):
     def division(divisor):
         x = ("ext", tf.constant(np.full((4, 3), 7, np.int32)))
         d = ("ext", tf.constant(np.full((4, 3), divisor, np.int32)))
-        div = OpRecord("op", "FloorDiv", (), [x, d], (((4, 3), INT32),), HERE, True)
+        div = OpRecord(NodeKind.OP, "FloorDiv", (), [x, d], (((4, 3), INT32),), HERE, True)
         div.fetched.add(0)  # read by Python: the graph computes it
         return [div]
 

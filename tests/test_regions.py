@@ -13,7 +13,7 @@ from terra.tracegraph import TraceGraph
 def trace(branch_line, op_type, taped=True):
     """``with tape: h = <op_type>(x)`` (at ``branch_line``); ``loss = Square(h)``;
     ``g = tape.gradient(loss, ...)`` (its backward op: ``Neg``); ``Mul(g, g)`` after it."""
-    enter = OpRecord("mark", "enter", (), [], (), at(1)[0])
+    enter = OpRecord(NodeKind.MARK, "enter", (), [], (), at(1)[0])
     enter.site = at(1)[1]
     recs = [enter] if taped else []
     first = len(recs)
@@ -83,7 +83,7 @@ def test_a_backward_op_read_after_the_call_keeps_the_regions_apart():
 def two_point_trace(sides):
     """Two branch points (lines 5/7 and 12/14) with an op between them where the paths merge
     back, ``loss = Square(h)`` and a gradient call whose region differs per combination."""
-    enter = OpRecord("mark", "enter", (), [], (), at(1)[0])
+    enter = OpRecord(NodeKind.MARK, "enter", (), [], (), at(1)[0])
     enter.site = at(1)[1]
     first = {"a": (5, "Tanh"), "b": (7, "Sigmoid")}[sides[0]]
     second = {"a": (12, "Relu"), "b": (14, "Softplus")}[sides[1]]

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from terra.location import Location
-from terra.nodes import SlotKind
+from terra.nodes import NodeKind, SlotKind
 from terra.trace import OpRecord
 from terra.tracegraph import TraceGraph
 
@@ -14,13 +14,13 @@ HERE = Location("train.py", 7, "step")
 
 
 def op(op_type, *inputs, shape=(4, 3), in_graph=True):
-    return OpRecord("op", op_type, (), list(inputs), ((shape, F32),), HERE, in_graph)
+    return OpRecord(NodeKind.OP, op_type, (), list(inputs), ((shape, F32),), HERE, in_graph)
 
 
 def grad_head(body_len, *inputs):
     """A ``tape.gradient(target, sources)`` call: ``inputs`` are the target and sources."""
     attrs = ((), 1, len(inputs) - 1, True, "UnconnectedGradients.NONE")  # as the runtime's
-    rec = OpRecord("grad", "gradient", attrs, list(inputs), (), HERE)
+    rec = OpRecord(NodeKind.GRAD, "gradient", attrs, list(inputs), (), HERE)
     rec.body_len = body_len
     rec.results = [("t", ("op", 1 + body_len, 0))]
     return rec
@@ -31,7 +31,7 @@ def ext(value):
 
 
 def forward(x, w):
-    return [OpRecord("mark", "enter", (), [], (), HERE), op("MatMul", x, ("var", w.handle))]
+    return [OpRecord(NodeKind.MARK, "enter", (), [], (), HERE), op("MatMul", x, ("var", w.handle))]
 
 
 def test_a_repeated_trace_is_covered_and_prints_readably():
