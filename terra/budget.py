@@ -10,15 +10,17 @@ time of the run so far) and its last co-executed iterations were not faster than
 would never earn it back. (A program that never gets to co-execute is stopped by the
 fallback limits, ``Config.max_fallbacks_in_a_row``.)
 
-The first graph is built once the traces predict it pays: a traced iteration tells how long
-its TF ops took to run (what co-execution moves to the graph thread) and how long recording
-took per op (Python work of the kind the skeleton does per op instead), so the saving per
-iteration and the cost of building are estimated before paying for them
-(:meth:`Ledger.first_graph`). A program whose ops are cheap next to its own Python (a
-TF-Agents DQN: ~5 ms of TF ops in a ~17 ms step, ~350 ops) would save nothing and is not
-built for; one whose saving pays the build back within the run so far (at least
-``Config.horizon`` iterations) is built for at once; the rest wait, eagerly, until the run is long
-enough. Nothing tells in advance whether a program will settle, and the next graphs are built
+The first graph is built at once unless the traces predict it would save next to nothing:
+a traced iteration tells how long its TF ops took to run (what co-execution moves to the
+graph thread) and how long recording took per op (Python work of the kind the skeleton does
+per op instead), so the saving per iteration is estimated before paying for the graph
+(:meth:`Ledger.first_graph`). The estimate is rough (on the corpus it was off by a factor of
+three either way), so it only keeps out a program whose predicted saving is under
+``Config.min_saving`` (5%) of an iteration: a TF-Agents DQN, ~5 ms of TF ops in a ~17 ms
+step of ~350 ops, whose co-executed step measured no faster than eager and whose 40-step run
+paid two generations for it. Such a program runs eagerly (``waiting``) until the budget of
+the run affords the graph's estimated cost, so a wrong estimate costs at most the budget.
+Nothing tells in advance whether a program will settle, and the next graphs are built
 if the last one was cheap (``Config.free_rebuilds``, each costing at most
 20 eager iterations: a late path or two is common). Past those, a graph built again after a
 fallback is an investment the ledger must afford: a program whose
@@ -60,7 +62,7 @@ class Ledger:
     kernels: list = dataclasses.field(default_factory=list)
     ops: list = dataclasses.field(default_factory=list)
     per_op: list = dataclasses.field(default_factory=list)
-    horizon: float = 30  # iterations the first graph may take to pay back, at the least
+    min_saving: float = 0.05  # of an iteration: a first graph predicted to save less waits
 
     # Building a graph and instantiating it, per node, in recorder-seconds-per-op: measured
     # 15-18 for generation (TF's graph building in Python, ~0.25 ms per node on a 2-core
@@ -131,24 +133,23 @@ class Ledger:
         return self.BUILD_PER_NODE * min(self.per_op) * nodes
 
     def first_graph(self, nodes: int) -> str | None:
-        """None if building the first graph (of ``nodes`` nodes) pays back within the run so
-        far, or ``horizon`` iterations; else why not (for ``explain()``)."""
-        saving = self.saving()
-        if saving is None or self.budget == float("inf"):
+        """None if the first graph (of ``nodes`` nodes) is to be built now: its predicted
+        saving is at least ``min_saving`` of an iteration, or its estimated cost fits the
+        budget of the run so far; else why not (for ``explain()``)."""
+        saving, ref = self.saving(), self.reference()
+        if saving is None or ref is None or saving >= self.min_saving * ref:
             return None
         cost = self.build_cost(nodes)
-        if saving > 0 and cost <= saving * max(self.horizon, self.iterations):
+        if self.budget == float("inf") or \
+                self.spent - self.saved + cost <= self.budget * ref * self.iterations:
             return None
-        ms = min(self.kernels) * 1e3
-        if saving <= 0:
-            return (f"co-execution would not be faster: the TF ops of an iteration take "
-                    f"~{ms:.1f} ms, less than the skeleton's Python for its "
-                    f"{statistics.median(self.ops):.0f} ops would (~{(ms - saving * 1e3):.1f} "
-                    "ms); running eagerly")
-        return (f"building the graph (~{cost:.2f}s) would pay back after "
-                f"~{cost / saving:.0f} iterations (it would save ~{saving * 1e3:.1f} ms of "
-                f"the ~{ms:.1f} ms the TF ops take per iteration): running eagerly until the "
-                "run is that long")
+        ms, ops = min(self.kernels) * 1e3, statistics.median(self.ops)
+        after = (self.spent - self.saved + cost) / (self.budget * ref)
+        return (f"co-execution would save ~{max(saving, 0.0) * 1e3:.1f} ms of a ~{ref * 1e3:.1f} "
+                f"ms iteration (its TF ops take ~{ms:.1f} ms; the skeleton would spend "
+                f"~{ms - saving * 1e3:.1f} ms on its {ops:.0f} ops): running eagerly, and "
+                f"building the graph (~{cost:.2f}s) once the budget affords it (after "
+                f"~{after:.0f} iterations)")
 
     def generation(self, seconds: float):
         self.spent += seconds

@@ -60,11 +60,9 @@ class Config:
         generation, fallbacks) without earning them back, as a fraction of the run's eager
         time; past it, and with
         co-executed iterations no faster than eager, Terra runs eagerly (``terra.budget``).
-      horizon: (``TERRA_HORIZON``) iterations the run is taken to last at least, when the
-        first graph is weighed: it is built once the traces predict it pays back within this
-        many iterations, or within as many as the run has had so far (``terra.budget``). A
-        user who knows the run is long may raise it; a huge value builds the first graph
-        whatever it costs.
+      min_saving: (``TERRA_MIN_SAVING``) a first graph whose saving the traces predict
+        under this fraction of an iteration is not built until the budget affords its
+        estimated cost (``terra.budget``); ``-inf`` builds it at once whatever it predicts.
       verbosity: (``TERRA_VERBOSITY``, like ``AUTOGRAPH_VERBOSITY``) what the ``terra`` logger
         prints to stderr: 0, a warning the first time a site falls back and when Terra runs
         eagerly for good or fails itself; 1, every event ``explain()`` lists, as it happens.
@@ -106,7 +104,7 @@ class Config:
     fold_after: int = 2
     budget: float = 0.05
     free_rebuilds: int = 2
-    horizon: float = 30
+    min_saving: float = 0.05
     verbosity: int = 0
 
     @classmethod
@@ -123,7 +121,7 @@ class Config:
             timeout=float(os.environ.get("TERRA_TIMEOUT", "120")),
             budget=float(os.environ.get("TERRA_BUDGET", "0.05")),
             free_rebuilds=int(os.environ.get("TERRA_FREE_REBUILDS", "2")),
-            horizon=float(os.environ.get("TERRA_HORIZON", "30")),
+            min_saving=float(os.environ.get("TERRA_MIN_SAVING", "0.05")),
             verbosity=int(os.environ.get("TERRA_VERBOSITY", "0")),
         )
 

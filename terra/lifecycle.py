@@ -32,7 +32,7 @@ class GraphLifecycle:
 
     def __init__(self, stats, note):
         self.tracegraph = TraceGraph()
-        self.ledger = budget.Ledger(budget=config.budget, horizon=config.horizon)
+        self.ledger = budget.Ledger(budget=config.budget, min_saving=config.min_saving)
         # gradient calls (by key) -> iterations, after the first graph was built, that none
         # of their regions was recorded for (a fallback at the call, or a trace that added a
         # region): past config.fold_after, one region serves every path (terra.regions)
@@ -42,6 +42,7 @@ class GraphLifecycle:
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
         self._waited_for = None  # why the first graph is not built yet, once noted
+        self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
         self._note = note
 
@@ -58,9 +59,12 @@ class GraphLifecycle:
             kind = ("fell back" if fell else "eager" if phase in _EAGER_PHASES else
                     "instantiating" if phase == "instantiating" else
                     "traced" if phase == "tracing" else "coexecuted")
-            self.ledger.iteration(kind, time.perf_counter() - start - self._generation_time,
+            # a traced iteration is an eager one plus recording: its callback's share is not
+            # eager's time (the ledger takes traced iterations for a bound of eager's)
+            extra = self._generation_time + (self._recording if kind == "traced" else 0.0)
+            self.ledger.iteration(kind, time.perf_counter() - start - extra,
                                   site=fell if fell else None)
-        self._generation_time = 0.0
+        self._generation_time = self._recording = 0.0
         verdict = self.ledger.verdict() if judge else None
         if verdict is not None:
             raise GiveUp(verdict)
@@ -78,6 +82,7 @@ class GraphLifecycle:
         if rec.creates_state or rec.aborted or not rec.records:
             return None
         self.ledger.profile(*rec.profile())
+        self._recording = rec.seconds
         if not rec.skippable:
             why = "a gradient region contains ops that must run in Python"
             if rec.unskippable is not None:
@@ -129,9 +134,9 @@ class GraphLifecycle:
         return True
 
     def may_build(self) -> bool:
-        """While waiting: whether the run is now long enough to build the graph (the first
-        pays back within the run so far; a later one fits the budget), so tracing starts
-        again."""
+        """While waiting: whether the run is now long enough for the budget to afford
+        building the graph (the first: its estimated cost; a later one: the last
+        generation's), so tracing starts again."""
         if self._stats.graph_generations:
             return self.ledger.affordable()
         return self.ledger.first_graph(len(self.tracegraph.nodes)) is None
