@@ -35,6 +35,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from terra import opdefs
 from terra.graph_ops import call_function, keep_eager_rounding, mark_for_xla, placeholder
+from terra.keys import Out, Phi, Read, spec, value_key
 from terra.nodes import NodeKind, SlotKind, relax
 from terra.plan import shape_fn_decides
 from terra.queues import Channel
@@ -117,8 +118,8 @@ class Emitter:
             with ops.control_dependencies(last_fetch):
                 outs = control_flow_switch_case.switch_case(index, branches)
             for key, t in zip(keys, outs or ()):
-                if key[0] == "v":  # only its producer's branch gives a value that is read
-                    t.set_shape(key[1].out_relaxed[key[2]])
+                if type(key) is Out:  # only its producer's branch gives a value that is read
+                    t.set_shape(key.node.out_relaxed[key.out])
                 env[key] = t
             if any(fetched):
                 last_fetch[:] = [op for op in graph.get_operations()[n_ops:]
@@ -143,7 +144,7 @@ class Emitter:
             last_fetch = []
             self._emit_block(block, local, last_fetch)
             fetched.append(bool(last_fetch))
-            return [local[k] if k in local else placeholder(*_spec(k, self.slots))
+            return [local[k] if k in local else placeholder(*spec(k, self.slots))
                     for k in keys]
 
         return fn
@@ -156,7 +157,7 @@ class Emitter:
         if step.python:
             for k, channel in enumerate(step.out_feed):
                 if channel is not None:
-                    self._define(env, ("v", node, k), self._dequeue(channel, last_fetch))
+                    self._define(env, Out(node, k), self._dequeue(channel, last_fetch))
             return
         inputs = [self._slot_tensor(step, i, slot, env, last_fetch)
                   for i, slot in enumerate(step.slots)]
@@ -245,15 +246,15 @@ class Emitter:
         def trip(token, *values):
             local = collections.ChainMap({}, env)
             for (b, k), v in zip(carried, values, strict=True):
-                for sid in self.phi_of.get((b, k), ()):
-                    local[("phi", sid)] = v
+                for sid in self.phi_of.get(Out(b, k), ()):
+                    local[Phi(sid)] = v
             trip_fetch = [token]
             for body_step in step.body:
                 self._emit_op(body_step, local, trip_fetch)
             fetched.append(trip_fetch[0] is not token)
             with ops.control_dependencies(trip_fetch):
                 token = array_ops.identity(token)
-            return [token] + [local[("v", b, k)] for b, k in carried]
+            return [token] + [local[Out(b, k)] for b, k in carried]
 
         self._looping = True
         try:
@@ -265,7 +266,7 @@ class Emitter:
         finally:
             self._looping = False
         for (b, k), t in zip(carried, outs[1:], strict=True):
-            self._define(env, ("v", b, k), t)
+            self._define(env, Out(b, k), t)
         if any(fetched):
             last_fetch[:] = [outs[0].op]
 
@@ -317,8 +318,8 @@ class Emitter:
 
     def _define(self, env, key, t):
         env[key] = t
-        for sid in self.phi_of.get(key[1:] if key[0] == "v" else key, ()):
-            env[("phi", sid)] = t
+        for sid in self.phi_of.get(key, ()):
+            env[Phi(sid)] = t
 
     def _constant(self, value, dtype):
         """A constant input: made once per value where the same graph reads it again (an
@@ -348,7 +349,7 @@ class Emitter:
                 # the branch with respect to all its inputs, the captured queue handle too,
                 # and a dequeue has no gradient. A value Python feeds has none either.
                 t = array_ops.stop_gradient(t)
-        self._define(env, ("s", step.node, i), t)
+        self._define(env, Read(step.node, i), t)
         return t
 
     def _for_xla(self, graph, n_ops):
@@ -371,7 +372,7 @@ class Emitter:
         """Output ``k`` of ``step`` is ``t``: what later ops read, and a fetch if Python
         reads it (or needs its data-dependent shape)."""
         node = step.node
-        self._define(env, ("v", node, k), t)
+        self._define(env, Out(node, k), t)
         if t.dtype.as_datatype_enum != step.out_specs[k][1]:
             raise AssertionError(f"{node.format()}: graph dtype {t.dtype} differs")
         self._note_dynamic(step, k, t)
@@ -387,50 +388,6 @@ class Emitter:
 
 def _emit_nothing(step, env, last_fetch):
     """A tape mark: Python's alone, nothing in the graph."""
-
-
-def value_key(slot):
-    """The key under which emission keeps the graph value a ``node``/``same`` slot reads."""
-    if len(slot.alts) > 1:
-        return ("phi", id(slot))
-    node, out = slot.alts[0]
-    return ("v" if slot.kind is SlotKind.NODE else "s", node, out)
-
-
-def _spec(key, slots):
-    """(dtype enum, shape) of an emission key's value, for a branch's placeholder."""
-    if key[0] == "v":
-        return key[1].out_specs[key[2]][1], key[1].out_relaxed[key[2]]
-    if key[0] == "s":
-        slot = key[1].inputs[key[2]]
-        return slot.dtype, slot.shape
-    specs = [_spec(("v" if slots[key[1]].kind is SlotKind.NODE else "s", *p), slots)
-             for p in slots[key[1]].alts]
-    shape = specs[0][1]
-    for _, other in specs[1:]:
-        shape = relax(shape, other)
-    return specs[0][0], shape
-
-
-def exports_of(planned, steps):
-    """Per switch-case: the emission keys its branches must return (read by a later one)."""
-    sc_of = {}
-    for j, (sc, _, _) in enumerate(planned):
-        for case in sc.cases:
-            for head in case.block:
-                sc_of[head] = j
-                for body_step in steps[head].body:
-                    sc_of[body_step.node] = j
-    exports = [dict() for _ in planned]  # ordered sets
-    for node, step in steps.items():
-        for slot in step.slots:
-            if slot.kind not in (SlotKind.NODE, SlotKind.SAME):
-                continue
-            key = value_key(slot)
-            for p, _ in slot.alts:
-                if sc_of[p] != sc_of[node]:
-                    exports[sc_of[p]][key] = None
-    return [list(e) for e in exports]
 
 
 def _var_dtype(node, handle):

@@ -44,8 +44,9 @@ from tensorflow.python.framework import constant_op, ops
 
 from terra import regions
 from terra.config import config
-from terra.emitter import Emitter, KeepUnrolled, NotSymbolic, exports_of
+from terra.emitter import Emitter, KeepUnrolled, NotSymbolic
 from terra.graph_ops import EXACT_OFF
+from terra.keys import exports_of, producer_key
 from terra.loops import roll
 from terra.nodes import NodeKind, SlotKind
 from terra.plan import (
@@ -153,15 +154,14 @@ def feeds_and_fetches(steps, symbolic):
     sees."""
     wanted = set()  # (node, out) read by a Python-run op, or needed for its shape
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
-    phi_of = {}  # (node, out) or ("s", node, input) -> the phi slots it updates
+    phi_of = {}  # emission key (Out or Read) -> the phi slots it updates
     slots = {}  # id -> slot, for phi keys
     for step in steps.values():
         for slot in step.slots:
             if slot.kind in (SlotKind.NODE, SlotKind.SAME) and len(slot.alts) > 1:
                 slots[id(slot)] = slot
                 for p, k in slot.alts:
-                    key = (p, k) if slot.kind is SlotKind.NODE else ("s", p, k)
-                    phi_of.setdefault(key, []).append(id(slot))
+                    phi_of.setdefault(producer_key(slot.kind, p, k), []).append(id(slot))
         if step.kind is NodeKind.GRAD:  # a result whose shape varies is fetched for its shape
             wanted.update(part for r in step.results for part in (r or ())[1:]
                           if part is not None and len(part[0].sigs) > 1)
