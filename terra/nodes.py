@@ -1,6 +1,8 @@
 """The TraceGraph's pieces (paper §3.2.2): its nodes, and the slots that say where each input
 of a node comes from. The TraceGraph (``terra.tracegraph``) makes them and links them; the
-generation passes read them, and transform copies of them.
+generation passes read them, and transform copies of them. Also the kinds a trace shares with
+them: ``NodeKind``, and the refs a record's inputs are (``OpRef``, ``VarRef``, ``ExtRef``,
+``SameRef``), which a slot matches.
 
 External inputs are classified over all observations, so the graph can treat them cheaply and
 the PythonRunner can validate them soundly (:meth:`Slot.observe`):
@@ -50,6 +52,63 @@ class NodeKind(enum.Enum):
     # a loop node (terra.loops, only in a rolled copy): the next ``body_len`` nodes are one
     # trip of a Python loop, emitted as a tf.while_loop
     LOOP = "loop"
+
+
+class _Ref:
+    """A trace's ref (``OpRecord.inputs``, ``terra.trace``): where one input of a record came
+    from. One small class per kind, told apart by type (``type(ref) is OpRef``), never by a
+    tag. ``__slots__`` classes: made on the recording path for every input and output, they
+    cost less to make and to read than a ``NamedTuple``. Not changed once made; compared by
+    identity (code asks a ref's kind and fields, never whether two refs are equal)."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(repr(getattr(self, f)) for f in self.__slots__)})"
+
+
+class OpRef(_Ref):
+    """A recorded input: output ``out`` of record ``index`` of the same trace."""
+
+    __slots__ = ("index", "out")
+
+    def __init__(self, index: int, out: int):
+        self.index = index
+        self.out = out
+
+
+class VarRef(_Ref):
+    """A recorded input: a resource tensor no recorded op produced (a variable's handle, an
+    iterator), captured by identity."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+
+class ExtRef(_Ref):
+    """A recorded input: any other tensor no recorded op produced (a batch, a converted Python
+    scalar, a tensor of an earlier iteration); the merge classifies it (:meth:`Slot.observe`)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class SameRef(_Ref):
+    """A recorded input: the external tensor already read by input ``k`` of record ``index``
+    (a graph-side op), read again: fed once however many ops read it."""
+
+    __slots__ = ("index", "k")
+
+    def __init__(self, index: int, k: int):
+        self.index = index
+        self.k = k
+
+
+Ref = OpRef | VarRef | ExtRef | SameRef
 
 
 class SlotKind(enum.StrEnum):
@@ -128,23 +187,29 @@ class Slot:
         """Whether the input ``ref`` of a record of ``trace`` (the part of a trace merged so
         far, ``tracegraph._Matched``) fits. With ``join`` a new producer fits too if it ran
         after the others (merging back)."""
-        kind = ref[0]
-        if kind == "op" or kind == "same":
-            if self.kind is not (SlotKind.NODE if kind == "op" else SlotKind.SAME):
+        kind = type(ref)
+        if kind is OpRef:
+            if self.kind is not SlotKind.NODE:
                 return False
-            p = (trace.nodes[ref[1]], ref[2])
-            if p not in self.alts:
-                return join and trace.ran_last(p[0], self.alts, ref[1])
-            return len(self.alts) == 1 or trace.ran_last(p[0], self.alts, ref[1])
-        if kind == "var":
+            p = (trace.nodes[ref.index], ref.out)
+        elif kind is SameRef:
+            if self.kind is not SlotKind.SAME:
+                return False
+            p = (trace.nodes[ref.index], ref.k)
+        elif kind is VarRef:
             return self.kind is SlotKind.RESOURCE or \
-                self.kind is SlotKind.VAR and self.tensor._id == ref[1]._id
-        return self.kind in _EXTERNAL and self.dtype == ref[1]._datatype_enum()
+                self.kind is SlotKind.VAR and self.tensor._id == ref.handle._id
+        else:
+            return self.kind in _EXTERNAL and self.dtype == ref.tensor._datatype_enum()
+        if p not in self.alts:
+            return join and trace.ran_last(p[0], self.alts, ref.index)
+        return len(self.alts) == 1 or trace.ran_last(p[0], self.alts, ref.index)
 
     def join(self, ref, trace):
         """Add the producer of ``ref`` to the alternatives (it ``matches`` with ``join``)."""
-        if ref[0] in ("op", "same"):
-            p = (trace.nodes[ref[1]], ref[2])
+        kind = type(ref)
+        if kind is OpRef or kind is SameRef:
+            p = (trace.nodes[ref.index], ref.out if kind is OpRef else ref.k)
             if p not in self.alts:
                 self.alts.append(p)
 

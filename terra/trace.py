@@ -1,14 +1,15 @@
 """Recording one iteration: the tracing phase (paper §3.2.1).
 
 A :class:`Recorder` is installed as a TF op callback while an iteration runs eagerly. It turns
-every executed op into an :class:`OpRecord` whose inputs are :data:`Ref` tuples:
+every executed op into an :class:`OpRecord` whose inputs are refs (``terra.nodes.Ref``), one
+small record class per kind, told apart by type (``type(ref) is OpRef``):
 
-- ``("op", index, out)``: output ``out`` of record ``index`` of this trace;
-- ``("var", handle)``: a variable's resource handle (captured by identity in the graph);
-- ``("ext", tensor)``: any other tensor that no recorded op produced (a batch, a converted
+- ``OpRef(index, out)``: output ``out`` of record ``index`` of this trace;
+- ``VarRef(handle)``: a variable's resource handle (captured by identity in the graph);
+- ``ExtRef(tensor)``: any other tensor that no recorded op produced (a batch, a converted
   Python scalar, a tensor from an earlier iteration); the TraceGraph decides whether it is a
   constant, a captured tensor or a feed;
-- ``("same", index, k)``: the external tensor already read by input ``k`` of record
+- ``SameRef(index, k)``: the external tensor already read by input ``k`` of record
   ``index`` (the batch read by a forward op and again by its gradient is fed once).
 
 Besides ops the trace holds *marks* (tape enter/exit/watch) and *gradient regions*: a
@@ -35,7 +36,16 @@ from tensorflow.python.framework import dtypes
 from terra import opdefs
 from terra.config import config
 from terra.location import Sites, user_location
-from terra.nodes import ONCE_CONST, SMALL_CONST, NodeKind
+from terra.nodes import (
+    ONCE_CONST,
+    SMALL_CONST,
+    ExtRef,
+    NodeKind,
+    OpRef,
+    SameRef,
+    SlotKind,
+    VarRef,
+)
 
 _RESOURCE = dtypes.resource.as_datatype_enum
 SMALL_RESULT = 8  # elements: a gradient result no op computed, recorded as a value
@@ -58,7 +68,9 @@ class OpRecord:
         self.site = site  # the executed location matched on (terra.location.Site)
         self.in_graph = in_graph
         self.body_len = 0
-        self.results = None  # grad: per source leaf None | ("t", ref) | ("is", v, i, s)
+        # grad: per source leaf None | ("t", ref) | ("is", v, i, s), each ref an OpRef (or
+        # None: a part of an IndexedSlices that is None)
+        self.results = None
         # grad: a custom gradient was put on the tapes earlier in the iteration
         self.after_custom = False
         self.fetched = set()
@@ -90,8 +102,9 @@ class Recorder:
 
     def __init__(self, tensors: dict, original_numpy, sites: Sites):
         self.records: list[OpRecord] = []
-        self.producer: dict[int, tuple] = {}  # EagerTensor._id -> ("op", index, out)
-        self.ext_first: dict[int, tuple] = {}  # external tensor -> its first graph-op slot
+        self.producer: dict[int, OpRef] = {}  # EagerTensor._id -> OpRef(index, out)
+        # external tensor -> its first graph-op input, as the SameRef that reads it again
+        self.ext_first: dict[int, SameRef] = {}
         self.tensors = tensors  # the shared materialization-hook table
         self.original_numpy = original_numpy
         self.creates_state = False
@@ -110,17 +123,13 @@ class Recorder:
 
     # -- refs ---------------------------------------------------------------------------
     def ref(self, t):
+        """The ref of ``t``, an input of a mark or gradient call (``record_op`` inlines it)."""
         r = self.producer.get(t._id)
         if r is not None:
             return r
         if t._datatype_enum() == _RESOURCE:
-            return ("var", t)
-        return ("ext", t)
-
-    def _outputs(self, index, record, outputs):
-        for k, t in enumerate(outputs):
-            self.producer[t._id] = ("op", index, k)
-            self.tensors[t._id] = TracedValue(record, k, t, self.original_numpy)
+            return VarRef(t)
+        return ExtRef(t)
 
     # -- op callback --------------------------------------------------------------------
     def _where(self):
@@ -142,23 +151,33 @@ class Recorder:
         in_graph = opdefs.info(op_type).in_graph
         refs = []
         firsts = {}
-        for k, t in enumerate(inputs):
-            r = self.ref(t)
-            if r[0] == "ext":
-                first = self.ext_first.get(t._id)
-                if first is not None:
-                    r = ("same", *first)  # one feed per value, however many ops read it
-                elif in_graph:
-                    firsts.setdefault(t._id, (index, k))
+        producer, ext_first = self.producer, self.ext_first
+        for k, t in enumerate(inputs):  # self.ref(t), inlined: the recording's hot loop
+            t_id = t._id
+            r = producer.get(t_id)
+            if r is None:
+                # an external value read before: one feed, however many ops read it
+                r = ext_first.get(t_id)
+                if r is None:
+                    if t._datatype_enum() == _RESOURCE:
+                        r = VarRef(t)
+                    else:
+                        r = ExtRef(t)
+                        if in_graph and t_id not in firsts:
+                            firsts[t_id] = SameRef(index, k)
             refs.append(r)
         # known to later ops only: an op reading one value twice (a fused BatchNorm's empty
         # mean and variance) reads it as two external inputs, never as itself
-        self.ext_first.update(firsts)
+        ext_first.update(firsts)
         location, site = self._where()
         rec = OpRecord(NodeKind.OP, op_type, opdefs.normalize_attrs(op_type, attrs), refs,
-                       tuple(spec_of(t) for t in outputs), location, in_graph, site)
+                       tuple([spec_of(t) for t in outputs]), location, in_graph, site)
         self.records.append(rec)
-        self._outputs(index, rec, outputs)
+        tensors, original_numpy = self.tensors, self.original_numpy
+        for k, t in enumerate(outputs):
+            t_id = t._id
+            producer[t_id] = OpRef(index, k)
+            tensors[t_id] = TracedValue(rec, k, t, original_numpy)
         return rec
 
     def forget(self, start):
@@ -172,7 +191,7 @@ class Recorder:
         producer = self.producer  # the dropped outputs are the latest entries
         while producer:
             last = next(reversed(producer))
-            if producer[last][1] < start:
+            if producer[last].index < start:
                 break
             del producer[last]
 
@@ -237,7 +256,8 @@ class Recorder:
                         p._num_elements() <= SMALL_RESULT:
                     self._constant_result(p)
             refs = [None if p is None else self.producer.get(p._id) for p in parts]
-            if any(p is not None and (r is None or r[1] <= index) for p, r in zip(parts, refs)):
+            if any(p is not None and (r is None or r.index <= index)
+                   for p, r in zip(parts, refs)):
                 skippable = False  # a result not computed inside the region
             results.append(("is", *refs) if len(parts) == 3 else ("t", refs[0]))
         rec.body_len = len(self.records) - index - 1
@@ -272,12 +292,14 @@ def in_shapes(rec, records):
     """The input shapes of ``rec``, a record of ``records``: a node's input shape signature."""
     shapes = []
     for ref in rec.inputs:
-        if ref[0] == "same":
-            ref = records[ref[1]].inputs[ref[2]]
-        if ref[0] == "op":
-            shapes.append(records[ref[1]].out_specs[ref[2]][0])
+        kind = type(ref)
+        if kind is SameRef:
+            ref = records[ref.index].inputs[ref.k]
+            kind = type(ref)
+        if kind is OpRef:
+            shapes.append(records[ref.index].out_specs[ref.out][0])
         else:
-            shapes.append(ref[1]._shape_tuple())
+            shapes.append((ref.tensor if kind is ExtRef else ref.handle)._shape_tuple())
     return tuple(shapes)
 
 
@@ -340,21 +362,23 @@ def observation_of(records, i, nodes):
     """See ``TraceNode.observations``: what the gradient call at record ``i`` saw."""
     before = []
     for j in range(i):
-        before += [(nodes[j], k, signature_part(ref[1], records[j].op_type, k))
-                   for k, ref in enumerate(records[j].inputs) if ref[0] == "ext"]
+        before += [(nodes[j], k, signature_part(ref.tensor, records[j].op_type, k))
+                   for k, ref in enumerate(records[j].inputs) if type(ref) is ExtRef]
         before.append((nodes[j], None, tuple(spec[0] for spec in records[j].out_specs)))
     body = {}
     for j in range(i + 1, i + 1 + records[i].body_len):
         for k, ref in enumerate(records[j].inputs):
-            if ref[0] == "ext" and ref[1]._num_elements() <= SMALL_CONST:
-                body[(nodes[j], k)] = np.array(ref[1]._numpy_internal())
+            if type(ref) is ExtRef and ref.tensor._num_elements() <= SMALL_CONST:
+                body[(nodes[j], k)] = np.array(ref.tensor._numpy_internal())
     return before, body
 
 
 def cone_of(records, i, nodes):
     """The forward pass a gradient region differentiates: for the gradient call (record
     ``i``) and every op its target was computed from, where each input came from, as
-    ``{(node or None for the call, input index): (ref kind, producer node, out)}``.
+    ``{(node or None for the call, input index): (slot kind, producer node, out)}``: the
+    kind ``SlotKind.NODE`` for an ``OpRef`` (``out`` an output of the producer),
+    ``SlotKind.SAME`` for a ``SameRef`` (``out`` an input of it).
 
     The PythonRunner skips a region's ops, so it cannot see that they read what this
     iteration computed. Two iterations whose forward passes join before the gradient call
@@ -367,11 +391,14 @@ def cone_of(records, i, nodes):
     while stack:
         node, rec = stack.pop()
         for k, ref in enumerate(rec.inputs):
-            if ref[0] in ("op", "same"):
-                cone[(node, k)] = (ref[0], nodes[ref[1]], ref[2])
-                if ref[0] == "op" and ref[1] not in seen:
-                    seen.add(ref[1])
-                    stack.append((nodes[ref[1]], records[ref[1]]))
+            kind = type(ref)
+            if kind is OpRef:
+                cone[(node, k)] = (SlotKind.NODE, nodes[ref.index], ref.out)
+                if ref.index not in seen:
+                    seen.add(ref.index)
+                    stack.append((nodes[ref.index], records[ref.index]))
+            elif kind is SameRef:
+                cone[(node, k)] = (SlotKind.SAME, nodes[ref.index], ref.k)
     return cone
 
 
@@ -385,8 +412,8 @@ def taped(records, i):
         return False
     n_target, n_sources = rec.attrs[1], rec.attrs[2]
     sources = rec.inputs[n_target:n_target + n_sources]
-    handles = {id(r[1]) for r in sources if r[0] == "var"}
-    source_ops = {r[1] for r in sources if r[0] == "op"}
+    handles = {id(r.handle) for r in sources if type(r) is VarRef}
+    source_ops = {r.index for r in sources if type(r) is OpRef}
     enter = max((j for j in range(i) if records[j].kind is NodeKind.MARK and
                  records[j].op_type == "enter" and records[j].attrs == rec.attrs[0]),
                 default=None)
@@ -401,9 +428,9 @@ def taped(records, i):
     reached = []  # per record before the call: whether a source reaches it
     for j in range(i):
         reached.append(j in source_ops or any(
-            r[0] == "var" and id(r[1]) in handles or r[0] == "op" and reached[r[1]]
+            type(r) is VarRef and id(r.handle) in handles or type(r) is OpRef and reached[r.index]
             for r in records[j].inputs))
-    stack, seen = [r[1] for r in rec.inputs[:n_target] if r[0] == "op"], set()
+    stack, seen = [r.index for r in rec.inputs[:n_target] if type(r) is OpRef], set()
     while stack:
         j = stack.pop()
         if j in seen or j in source_ops:
@@ -411,13 +438,15 @@ def taped(records, i):
         seen.add(j)
         if reached[j] and (j < enter or j > window_end or j in in_body):
             return False
-        stack.extend(r[1] for r in records[j].inputs if r[0] == "op")
+        stack.extend(r.index for r in records[j].inputs if type(r) is OpRef)
     return True
 
 
 def resolve_result(r, rec_nodes):
-    """A gradient call's result ``r`` (``OpRecord.results``) with its refs as ``(node, out)``
-    (``rec_nodes``: record index -> node)."""
+    """A gradient call's result ``r`` (``OpRecord.results``: a tag, ``"t"`` or ``"is"``, and
+    its parts' ``OpRef`` or None) with its refs as ``(node, out)`` (``rec_nodes``: record
+    index -> node): ``TraceNode.results``."""
     if r is None:
         return None
-    return (r[0],) + tuple(None if ref is None else (rec_nodes[ref[1]], ref[2]) for ref in r[1:])
+    return (r[0],) + tuple(None if ref is None else (rec_nodes[ref.index], ref.out)
+                           for ref in r[1:])

@@ -11,7 +11,18 @@ on their values: new values widen the class.
 import copy
 import itertools
 
-from terra.nodes import NodeKind, Slot, SlotKind, TraceNode, match_key, relax
+from terra.nodes import (
+    ExtRef,
+    NodeKind,
+    OpRef,
+    SameRef,
+    Slot,
+    SlotKind,
+    TraceNode,
+    VarRef,
+    match_key,
+    relax,
+)
 from terra.trace import (
     OpRecord,
     cone_of,
@@ -166,7 +177,7 @@ class TraceGraph:
                 folded = records[i].kind is NodeKind.GRAD and match_key(records[i]) in any_path
                 # back from a fresh region, or along a known edge reading what one computed
                 joins_fresh = unit is not None and (cur in fresh or unit[0][0] in cur.succs and any(
-                    ref[0] in ("op", "same") and trace.nodes[ref[1]] in fresh
+                    type(ref) in (OpRef, SameRef) and trace.nodes[ref.index] in fresh
                     for ref in records[i].inputs))
                 if not (folded or joins_fresh):
                     covered = False
@@ -257,22 +268,23 @@ class TraceGraph:
         # and validated there, and a fresh tf.data iterator per epoch must not split it.
         handle = SlotKind.RESOURCE if rec.kind is NodeKind.OP and not rec.in_graph else SlotKind.VAR
         for ref in rec.inputs:
-            if ref[0] == "op":
-                node.inputs.append(Slot(SlotKind.NODE, rec_nodes[ref[1]], ref[2]))
-            elif ref[0] == "var":
-                node.inputs.append(Slot(handle, tensor=ref[1]))
-            elif ref[0] == "same":
-                node.inputs.append(Slot(SlotKind.SAME, rec_nodes[ref[1]], ref[2]))
+            kind = type(ref)
+            if kind is OpRef:
+                node.inputs.append(Slot(SlotKind.NODE, rec_nodes[ref.index], ref.out))
+            elif kind is VarRef:
+                node.inputs.append(Slot(handle, tensor=ref.handle))
+            elif kind is SameRef:
+                node.inputs.append(Slot(SlotKind.SAME, rec_nodes[ref.index], ref.k))
             else:
-                node.inputs.append(Slot.external(ref[1]))
+                node.inputs.append(Slot.external(ref.tensor))
         return node
 
     @staticmethod
     def _observe(node, rec):
         """Fold the external values of one more observation into the slots' classes."""
         for slot, ref in zip(node.inputs, rec.inputs):
-            if ref[0] == "ext":
-                slot.observe(ref[1])
+            if type(ref) is ExtRef:
+                slot.observe(ref.tensor)
 
     @staticmethod
     def _absorb(node, rec, records):

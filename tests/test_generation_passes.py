@@ -8,6 +8,7 @@ from test_tracegraph import at, ext, op_at
 
 from terra import graph_builder
 from terra.emitter import EmissionError
+from terra.nodes import ExtRef, OpRef
 from terra.plan import link, plan_steps, switch_case_channels
 from terra.tracegraph import TraceGraph
 
@@ -70,7 +71,7 @@ def test_gradient_regions_keeps_a_region_recorded_where_nothing_is_fed():
     from test_tracegraph import grad_head, op
 
     x = ext(np.ones((4, 3)))
-    recs = [op("Square", x), grad_head(1, ("op", 0, 0), x), op("Mul", ("op", 0, 0), x)]
+    recs = [op("Square", x), grad_head(1, OpRef(0, 0), x), op("Mul", OpRef(0, 0), x)]
     g = merged(recs, recs)
     _, steps, cases = planned(g)
     assert graph_builder.gradient_regions(steps, cases, recorded=frozenset()) == set()
@@ -79,7 +80,7 @@ def test_gradient_regions_keeps_a_region_recorded_where_nothing_is_fed():
 def test_an_error_while_emitting_names_the_node_and_the_users_line():
     import tensorflow as tf
 
-    x = ("ext", tf.constant(np.ones((4, 3), np.int32)))
+    x = ExtRef(tf.constant(np.ones((4, 3), np.int32)))
     bad = [op_at(at(11), "Neg", x)]  # recorded as giving float32: the graph's op gives int32
     bad[0].fetched.add(0)
     g = merged(bad, bad)

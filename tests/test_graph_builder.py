@@ -10,6 +10,7 @@ from tensorflow.python.eager import cancellation, context, execute
 from test_tracegraph import at, ext, op_at
 
 from terra.graph_builder import generate
+from terra.nodes import OpRef
 from terra.tracegraph import TraceGraph
 
 
@@ -17,8 +18,8 @@ def trace(middle_line, middle_op, rows=4, value=1.0):
     """``y = Neg(x)``; ``z = <middle_op>(y)`` at ``middle_line``; ``Exp(z)`` at line 9, whose
     value Python reads."""
     x = ext(np.full((rows, 3), value))
-    recs = [op_at(at(1), "Neg", x), op_at(at(middle_line), middle_op, ("op", 0, 0)),
-            op_at(at(9), "Exp", ("op", 1, 0))]
+    recs = [op_at(at(1), "Neg", x), op_at(at(middle_line), middle_op, OpRef(0, 0)),
+            op_at(at(9), "Exp", OpRef(1, 0))]
     recs[-1].fetched.add(0)
     return recs
 
@@ -124,8 +125,8 @@ def loop_trace(trips, value):
     """``y = Neg(x)``; ``for _ in range(trips): y = Tanh(y)`` (line 5); ``Exp(y)``, read."""
     recs = [op_at(at(1), "Neg", ext(np.full((4, 3), value)))]
     for t in range(trips):
-        recs.append(op_at(at(5, t), "Tanh", ("op", len(recs) - 1, 0)))
-    recs.append(op_at(at(9), "Exp", ("op", len(recs) - 1, 0)))
+        recs.append(op_at(at(5, t), "Tanh", OpRef(len(recs) - 1, 0)))
+    recs.append(op_at(at(9), "Exp", OpRef(len(recs) - 1, 0)))
     recs[-1].fetched.add(0)
     return recs
 

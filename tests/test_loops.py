@@ -8,7 +8,7 @@ from test_tracegraph import at, ext, figure_3_2_trace, op_at
 
 from terra.case_assignment import assign_cases
 from terra.loops import roll
-from terra.nodes import NodeKind, SlotKind
+from terra.nodes import NodeKind, OpRef, SlotKind, VarRef
 from terra.trace import periodic_runs
 from terra.tracegraph import TraceGraph
 
@@ -49,8 +49,8 @@ def loop_trace(trips, per_trip=lambda t: ()):
     """``y = Neg(x)``; ``for t in range(trips): y = Op4(y, *per_trip(t))``; ``Exp(y)``."""
     recs = [op_at(at(1), "Neg", ext(np.ones((4, 3))))]
     for t in range(trips):
-        recs.append(op_at(at(2, t), "Op4", ("op", len(recs) - 1, 0), *per_trip(t)))
-    recs.append(op_at(at(3), "Exp", ("op", len(recs) - 1, 0)))
+        recs.append(op_at(at(2, t), "Op4", OpRef(len(recs) - 1, 0), *per_trip(t)))
+    recs.append(op_at(at(3), "Exp", OpRef(len(recs) - 1, 0)))
     return recs
 
 
@@ -85,7 +85,7 @@ def test_trips_that_read_different_variables_stay_unrolled():
     w = [tf.Variable(tf.ones((3, 3))) for _ in range(3)]
 
     def per_trip(t):
-        return [("var", w[t].handle)]
+        return [VarRef(w[t].handle)]
 
     g = merged(loop_trace(2, per_trip), loop_trace(3, per_trip))
     assert g.trips, "the trips were found"
@@ -96,7 +96,7 @@ def test_a_trip_reading_two_trips_back_stays_unrolled():
     def trace(trips):
         recs = loop_trace(trips)
         for t in range(2, trips):  # Op4 of trip t reads Op4 of trip t - 2
-            recs[1 + t].inputs = [("op", t - 1, 0)]
+            recs[1 + t].inputs = [OpRef(t - 1, 0)]
         return recs
 
     g = merged(trace(2), trace(4))

@@ -20,7 +20,7 @@ from terra.divergence import Divergence, GraphFailed, PathEnded
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import Sites
-from terra.nodes import NodeKind
+from terra.nodes import ExtRef, NodeKind, OpRef
 from terra.python_runner import Iteration, PythonRunner
 from terra.trace import OpRecord, Recorder
 from terra.tracegraph import TraceGraph
@@ -239,7 +239,7 @@ def python_neg_trace(value):
     x = ext(np.full((4, 3), value))
     neg = op("Neg", x, in_graph=False)
     neg.location, neg.site = at(1)
-    recs = [neg, op_at(at(5), "Abs", ("op", 0, 0)), op_at(at(9), "Exp", ("op", 1, 0))]
+    recs = [neg, op_at(at(5), "Abs", OpRef(0, 0)), op_at(at(9), "Exp", OpRef(1, 0))]
     recs[-1].fetched.add(0)
     return recs
 
@@ -277,8 +277,8 @@ def test_a_graph_error_is_raised_at_the_paths_end_with_the_stand_in(threads):
     the path's end, after the op is in the log (the replay runs it, so Python gets its
     stand-in rather than running it again)."""
     def division(divisor):
-        x = ("ext", tf.constant(np.full((4, 3), 7, np.int32)))
-        d = ("ext", tf.constant(np.full((4, 3), divisor, np.int32)))
+        x = ExtRef(tf.constant(np.full((4, 3), 7, np.int32)))
+        d = ExtRef(tf.constant(np.full((4, 3), divisor, np.int32)))
         div = OpRecord(NodeKind.OP, "FloorDiv", (), [x, d], (((4, 3), INT32),), HERE, True)
         div.fetched.add(0)  # read by Python: the graph computes it
         return [div]

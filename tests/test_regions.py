@@ -5,7 +5,7 @@ import numpy as np
 from test_tracegraph import at, ext, grad_head, op_at
 
 from terra import regions
-from terra.nodes import NodeKind
+from terra.nodes import NodeKind, OpRef
 from terra.trace import OpRecord
 from terra.tracegraph import TraceGraph
 
@@ -18,12 +18,12 @@ def trace(branch_line, op_type, taped=True):
     recs = [enter] if taped else []
     first = len(recs)
     recs += [op_at(at(branch_line), op_type, ext(np.ones((4, 3)))),
-             op_at(at(10), "Square", ("op", first, 0))]
-    head = grad_head(1, ("op", first + 1, 0))
+             op_at(at(10), "Square", OpRef(first, 0))]
+    head = grad_head(1, OpRef(first + 1, 0))
     head.location, head.site = at(11)
-    body = op_at(at(11), "Neg", ("op", first + 1, 0))
-    head.results = [("t", ("op", first + 3, 0))]
-    recs += [head, body, op_at(at(12), "Mul", ("op", first + 3, 0), ("op", first + 3, 0))]
+    body = op_at(at(11), "Neg", OpRef(first + 1, 0))
+    head.results = [("t", OpRef(first + 3, 0))]
+    recs += [head, body, op_at(at(12), "Mul", OpRef(first + 3, 0), OpRef(first + 3, 0))]
     return recs
 
 
@@ -72,7 +72,7 @@ def test_a_backward_op_read_after_the_call_keeps_the_regions_apart():
     else reads (no result) has no counterpart, so nothing is folded."""
     def leaky(branch_line, op_type):
         recs = trace(branch_line, op_type)
-        recs[-1] = op_at(at(12), "Mul", ("op", 4, 0), ("op", 4, 0))
+        recs[-1] = op_at(at(12), "Mul", OpRef(4, 0), OpRef(4, 0))
         recs[3].results = [None]  # the Neg is not the call's result
         return recs
 
@@ -88,14 +88,14 @@ def two_point_trace(sides):
     first = {"a": (5, "Tanh"), "b": (7, "Sigmoid")}[sides[0]]
     second = {"a": (12, "Relu"), "b": (14, "Softplus")}[sides[1]]
     recs = [enter, op_at(at(first[0]), first[1], ext(np.ones((4, 3)))),
-            op_at(at(10), "Neg", ("op", 1, 0)),
-            op_at(at(second[0]), second[1], ("op", 2, 0)),
-            op_at(at(16), "Square", ("op", 3, 0))]
-    head = grad_head(1, ("op", 4, 0))
+            op_at(at(10), "Neg", OpRef(1, 0)),
+            op_at(at(second[0]), second[1], OpRef(2, 0)),
+            op_at(at(16), "Square", OpRef(3, 0))]
+    head = grad_head(1, OpRef(4, 0))
     head.location, head.site = at(17)
-    head.results = [("t", ("op", 6, 0))]
-    return recs + [head, op_at(at(17), "Exp", ("op", 4, 0)),
-                   op_at(at(18), "Mul", ("op", 6, 0), ("op", 6, 0))]
+    head.results = [("t", OpRef(6, 0))]
+    return recs + [head, op_at(at(17), "Exp", OpRef(4, 0)),
+                   op_at(at(18), "Mul", OpRef(6, 0), OpRef(6, 0))]
 
 
 def test_a_new_combination_of_known_branches_is_covered_once_the_call_folds():

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from terra.location import Location
-from terra.nodes import NodeKind, SlotKind
+from terra.nodes import ExtRef, NodeKind, OpRef, SlotKind, VarRef
 from terra.trace import OpRecord
 from terra.tracegraph import TraceGraph
 
@@ -22,16 +22,16 @@ def grad_head(body_len, *inputs):
     attrs = ((), 1, len(inputs) - 1, True, "UnconnectedGradients.NONE")  # as the runtime's
     rec = OpRecord(NodeKind.GRAD, "gradient", attrs, list(inputs), (), HERE)
     rec.body_len = body_len
-    rec.results = [("t", ("op", 1 + body_len, 0))]
+    rec.results = [("t", OpRef(1 + body_len, 0))]
     return rec
 
 
 def ext(value):
-    return ("ext", tf.constant(value, tf.float32))
+    return ExtRef(tf.constant(value, tf.float32))
 
 
 def forward(x, w):
-    return [OpRecord(NodeKind.MARK, "enter", (), [], (), HERE), op("MatMul", x, ("var", w.handle))]
+    return [OpRecord(NodeKind.MARK, "enter", (), [], (), HERE), op("MatMul", x, VarRef(w.handle))]
 
 
 def test_a_repeated_trace_is_covered_and_prints_readably():
@@ -51,7 +51,7 @@ def test_external_inputs_are_classified_by_what_was_observed():
     for step in range(3):
         graph.merge([
             op("Neg", ext([1.0, 2.0])),  # small, same value each time: a constant
-            op("Exp", ("ext", big)),  # the very same tensor object: captured
+            op("Exp", ExtRef(big)),  # the very same tensor object: captured
             op("Abs", ext(np.full((100,), float(step)))),  # changes: fed
         ])
     kinds = {n.op_type: n.inputs[0].kind for n in graph.nodes if n.inputs}
@@ -67,7 +67,7 @@ def test_an_input_seen_in_one_trace_is_fed():
     tensor")."""
     big = tf.ones((100,))
     graph = TraceGraph()
-    graph.merge([op("Neg", ext([1.0, 2.0, 3.0, 4.0] * 4)), op("Exp", ("ext", big))])
+    graph.merge([op("Neg", ext([1.0, 2.0, 3.0, 4.0] * 4)), op("Exp", ExtRef(big))])
     kinds = {n.op_type: (n.inputs[0].kind, n.inputs[0].seen) for n in graph.nodes if n.inputs}
     assert kinds == {"Neg": (SlotKind.FEED, 1), "Exp": (SlotKind.FEED, 1)}, str(graph)
 
@@ -82,11 +82,11 @@ def test_a_different_producer_branches():
 
 def gradient_trace(order):
     x = ext(np.ones((4, 3)))
-    body = {"a": op("Neg", ("op", 0, 0)), "b": op("Exp", ("op", 0, 0))}
-    recs = [op("Square", x), grad_head(3, ("op", 0, 0))]
+    body = {"a": op("Neg", OpRef(0, 0)), "b": op("Exp", OpRef(0, 0))}
+    recs = [op("Square", x), grad_head(3, OpRef(0, 0))]
     index = {name: len(recs) + k for k, name in enumerate(order)}
     recs += [body[name] for name in order]
-    recs.append(op("AddV2", ("op", index["a"], 0), ("op", index["b"], 0)))
+    recs.append(op("AddV2", OpRef(index["a"], 0), OpRef(index["b"], 0)))
     return recs
 
 
@@ -102,7 +102,7 @@ def test_a_gradient_region_with_a_different_op_still_branches():
     g = TraceGraph()
     g.merge(gradient_trace(["a", "b"]))
     changed = gradient_trace(["b", "a"])
-    changed[2] = op("Log", ("op", 0, 0))
+    changed[2] = op("Log", OpRef(0, 0))
     covered, _ = g.merge(changed)
     assert not covered and len(g.branch_points) == 1, str(g)
 
@@ -112,7 +112,7 @@ def test_an_op_run_in_python_takes_any_resource_handle():
     g = TraceGraph()
     for _ in range(2):
         handle = tf.Variable(1.0).handle  # a new resource each time
-        covered, _ = g.merge([op("IteratorGetNext", ("var", handle), in_graph=False)])
+        covered, _ = g.merge([op("IteratorGetNext", VarRef(handle), in_graph=False)])
     assert covered, str(g)
     assert str(g).startswith("%2 = IteratorGetNext(resource)")
 
@@ -120,7 +120,7 @@ def test_an_op_run_in_python_takes_any_resource_handle():
 def test_graph_ops_never_merge_reads_of_different_variables():
     g = TraceGraph()
     for _ in range(2):
-        covered, _ = g.merge([op("ReadVariableOp", ("var", tf.Variable(1.0).handle))])
+        covered, _ = g.merge([op("ReadVariableOp", VarRef(tf.Variable(1.0).handle))])
     assert not covered and len(g.branch_points) == 1, str(g)
 
 
@@ -144,12 +144,12 @@ def figure_3_2_trace(true_path, trips):
     x2 = Op2(x)`` (line 9); ``x3 = Op3(x2)`` (line 10); ``for ...: x3 = Op4(x3)`` (line 13)."""
     x, rval = ext(np.ones((4, 3))), ext(np.full((4, 3), 0.7 if true_path else 0.2))
     if true_path:
-        recs = [op_at(at(5), "Op1", x, rval), op_at(at(6), "Op2", ("op", 0, 0))]
+        recs = [op_at(at(5), "Op1", x, rval), op_at(at(6), "Op2", OpRef(0, 0))]
     else:
         recs = [op_at(at(9), "Op2", x)]
-    recs.append(op_at(at(10), "Op3", ("op", len(recs) - 1, 0)))
+    recs.append(op_at(at(10), "Op3", OpRef(len(recs) - 1, 0)))
     for trip in range(trips):
-        recs.append(op_at(at(13, trip), "Op4", ("op", len(recs) - 1, 0)))
+        recs.append(op_at(at(13, trip), "Op4", OpRef(len(recs) - 1, 0)))
     return recs
 
 
@@ -196,9 +196,9 @@ def test_a_join_takes_only_a_producer_that_ran_last():
     graph would hand it Op2's value. The node must not join; a new one reads Op1."""
     x = ext(np.ones((4, 3)))
     g = TraceGraph()
-    g.merge([op_at(at(1), "Op1", x), op_at(at(2), "Op3", ("op", 0, 0))])
-    g.merge([op_at(at(5), "Op2", x), op_at(at(2), "Op3", ("op", 0, 0))])
-    later = [op_at(at(1), "Op1", x), op_at(at(5), "Op2", x), op_at(at(2), "Op3", ("op", 0, 0))]
+    g.merge([op_at(at(1), "Op1", x), op_at(at(2), "Op3", OpRef(0, 0))])
+    g.merge([op_at(at(5), "Op2", x), op_at(at(2), "Op3", OpRef(0, 0))])
+    later = [op_at(at(1), "Op1", x), op_at(at(5), "Op2", x), op_at(at(2), "Op3", OpRef(0, 0))]
     g.merge(later)
     g.lint()
     op3 = [n for n in g.nodes if n.op_type == "Op3"]
@@ -211,10 +211,10 @@ def test_a_gradient_region_is_reused_only_for_the_forward_pass_it_differentiates
     forward ops. Taking one region for the other would be a silently wrong gradient."""
     def trace(branch_line):
         x = ext(np.ones((4, 3)))
-        recs = [op_at(at(branch_line), "Tanh", x), op_at(at(10), "Square", ("op", 0, 0))]
-        head = grad_head(1, ("op", 1, 0))
+        recs = [op_at(at(branch_line), "Tanh", x), op_at(at(10), "Square", OpRef(0, 0))]
+        head = grad_head(1, OpRef(1, 0))
         head.site = at(11)[1]
-        body = op_at(at(11), "Neg", ("op", 1, 0))
+        body = op_at(at(11), "Neg", OpRef(1, 0))
         return recs + [head, body]
 
     g = TraceGraph()
