@@ -10,27 +10,29 @@ time of the run so far) and its last co-executed iterations were not faster than
 would never earn it back. (A program that never gets to co-execute is stopped by the
 fallback limits, ``Config.max_fallbacks_in_a_row``.)
 
-The first graph is built at once unless the traces predict it would save next to nothing:
-a traced iteration tells how long its TF ops took to run (what co-execution moves to the
-graph thread) and how long recording took per op (Python work of the kind the skeleton does
-per op instead), so the saving per iteration is estimated before paying for the graph
+The first graph is built at once unless the traces predict it would save next to nothing: a
+traced iteration tells how long its TF ops took to run (what co-execution moves to the graph
+thread) and how long recording took per op (Python work of the kind the skeleton does per op
+instead), so the saving per iteration is estimated before paying for the graph
 (:meth:`Ledger.first_graph`). The estimate is rough (on the corpus it was off by a factor of
-three either way), so it only keeps out a program whose predicted saving is under
-``Config.min_saving`` (5%) of an iteration: a TF-Agents DQN, ~5 ms of TF ops in a ~17 ms
-step of ~350 ops, whose co-executed step measured no faster than eager and whose 40-step run
-paid two generations for it. Such a program runs eagerly (``waiting``) until the budget of
-the run affords the graph's estimated cost, so a wrong estimate costs at most the budget.
-Nothing tells in advance whether a program will settle, and the next graphs are built
-if the last one was cheap (``Config.free_rebuilds``, each costing at most
-20 eager iterations: a late path or two is common). Past those, a graph built again after a
-fallback is an investment the ledger must afford: a program whose
-paths keep coming would otherwise pay a generation at every new one (seconds for a large
-graph, hundreds of eager steps). Until the ledger's debt plus the last generation's cost fits
-in the budget of the run so far, the runtime runs iterations eagerly (``waiting``), which costs
-nothing over eager, and traces again once it does: over a long run the graph is rebuilt, over a
-short one Terra stays within its budget. A fallback the ledger would not rebuild for, right
-after a co-executed iteration, keeps the graph instead (a detour: that iteration goes on
-eagerly, the next co-executes); a second in a row means the path changed, and waits.
+three to five for some programs, either way), so it only keeps out a program whose predicted
+saving is under ``Config.min_saving`` (5%) of an iteration: a TF-Agents DQN, ~5 ms of TF ops
+in a ~17 ms step of ~350 ops, whose co-executed step measured no faster than eager and whose
+40-step run paid two generations for it. Such a program runs eagerly (``waiting``) until the
+budget of the run affords the graph's estimated cost, so a wrong estimate costs at most the
+budget.
+
+Nothing tells in advance whether a program will settle, and the next graphs are built if the
+last one was cheap (``Config.free_rebuilds``, each costing at most 20 eager iterations: a late
+path or two is common). Past those, a graph built again after a fallback is an investment the
+ledger must afford: a program whose paths keep coming would otherwise pay a generation at
+every new one (seconds for a large graph, hundreds of eager steps). Until the ledger's debt
+plus the last generation's cost fits in the budget of the run so far, the runtime runs
+iterations eagerly (``waiting``), which costs nothing over eager, and traces again once it
+does: over a long run the graph is rebuilt, over a short one Terra stays within its budget. A
+fallback the ledger would not rebuild for, right after a co-executed iteration, keeps the
+graph instead (a detour: that iteration goes on eagerly, the next co-executes); a second in a
+row means the path changed, and waits.
 """
 
 import dataclasses
@@ -123,8 +125,9 @@ class Ledger:
         TF ops' time leaves the loop's thread, the skeleton's per-op Python comes in."""
         if not self.kernels:
             return None
-        per_op = min(self.per_op) * self.SKELETON_PER_OP  # the warmest trace: the first
-        return min(self.kernels) - per_op * statistics.median(self.ops)  # pays for caches
+        # the least over the traces: the first one pays for cold caches, the second is warm
+        per_op = min(self.per_op) * self.SKELETON_PER_OP
+        return min(self.kernels) - per_op * statistics.median(self.ops)
 
     def build_cost(self, nodes: int) -> float:
         """Seconds building and instantiating a graph of ``nodes`` nodes would cost."""
