@@ -41,7 +41,7 @@ class GraphLifecycle:
         self._missed = None  # the call this iteration fell back at, counted already
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
-        self._waited_for = None  # why the first graph is not built yet, once noted
+        self._noted_first_wait = False  # explain() says why the first graph waits
         self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
         self._note = note
@@ -112,7 +112,9 @@ class GraphLifecycle:
         """After a trace the TraceGraph covered: whether to generate the graph now. Raises
         :class:`GiveUp` when fallbacks keep coming (``config.max_fallbacks_in_a_row``);
         False, noted, when building the graph again would cost more than the budget affords
-        now (the runtime then waits, eagerly)."""
+        now, or when the first graph is predicted to save next to nothing and its estimated
+        cost does not fit the budget yet (``Ledger.first_graph``): the runtime then waits,
+        eagerly."""
         limit, s = config.max_fallbacks_in_a_row, self._stats
         if fallbacks_in_a_row >= limit:
             raise GiveUp(f"{fallbacks_in_a_row} fallbacks in a row: every graph was left "
@@ -127,9 +129,9 @@ class GraphLifecycle:
         if not s.graph_generations:
             why = self.ledger.first_graph(len(self.tracegraph.nodes))
             if why is not None:
-                if self._waited_for is None:  # noted once: the ledger says it each time
+                if not self._noted_first_wait:  # once: the reason is the same every time
                     self._note("waiting", why)
-                self._waited_for = why
+                    self._noted_first_wait = True
                 return False
         return True
 
