@@ -45,21 +45,20 @@ class TracingDoor:
 
     def fast(self, ctx, op_type, name, args):
         recorder = self.runtime.recorder
-        start = len(recorder.records) if recorder is not None else 0
-        real = [self.real(a) for a in args]
-        if recorder is not None:
-            began = _clock()
+        if recorder is None:
+            return interception.ORIGINAL_FAST(ctx, op_type, name, *[self.real(a) for a in args])
+        start = len(recorder.records)
+        real = [self.real(a) for a in args]  # may read variables: recorded from ``start`` on
+        began = _clock()
         try:
             return interception.ORIGINAL_FAST(ctx, op_type, name, *real)
         except _FallbackException:
             # the op wrapper takes its slow path, which reads the variables again: the reads
             # made here for the fast path were never seen by eager (C reads them unseen)
-            if recorder is not None:
-                recorder.forget(start)
+            recorder.forget(start)
             raise
         finally:
-            if recorder is not None:
-                recorder.executing += _clock() - began
+            recorder.executing += _clock() - began
 
     def custom_gradient(self, op_type, outputs, inputs, backward):
         """Count it for the trace; and if stand-ins are alive, record their values instead:
