@@ -16,6 +16,7 @@ from tensorflow.python.framework import constant_op, dtypes, errors
 from tensorflow.python.util import nest
 
 from terra import functions, opdefs
+from terra.nodes import SlotKind
 
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
 
@@ -50,6 +51,19 @@ class LoggedMark:
     step: object
     inputs: list
     tape: object
+
+
+@dataclasses.dataclass(slots=True)
+class LoggedSkip:
+    """A library call Python skipped (``terra.library_regions``): its ``call`` mark, and the
+    steps to its ``return`` mark, which the replay runs from the plan (their inputs are the
+    graph's: earlier steps' outputs, variables and constants); ``stopped`` as for an op."""
+
+    step: object
+    inputs: list
+    steps: list
+    stopped: bool
+    values: dict = None  # once replayed: (node, out) -> value of its ops
 
 
 @dataclasses.dataclass(slots=True)
@@ -174,33 +188,71 @@ def _replay(log, recorder, tapes, customs):
                     tapes.remove(logged.tape)
             elif kind is LoggedGradient:
                 _replay_grad(logged, recorder)
+            elif kind is LoggedSkip:
+                _replay_skip(logged, log[:index], recorder, tapes, ctx)
             elif kind is LoggedPythonOp:
                 recorder.record_op(node.op_type, [_tensor(_real(x), s) for x, s in
                                                   zip(inputs, step.slots)],
                                    _flat_attrs(node.attrs), logged.outputs)
             else:
-                stopped = logged.stopped
                 args = [_tensor(_real(x), s) for x, s in zip(inputs, step.slots)]
-                if not stopped:
-                    watch_read(tapes, node.op_type, args[0] if args else None)
-                attrs = _flat_attrs(node.attrs)
-                try:
-                    results = execute.execute_with_callbacks(
-                        node.op_type, len(node.out_specs), args, attrs, ctx)
-                except errors.OpError as e:  # the graph failed here: eager fails the same way
-                    recorder.aborted = True
-                    raise _at_user_line(e, node.location) from None
-                # a tf.function's call has no registered gradient: its backward function
-                # is put back on the tapes among the iteration's custom gradients
-                if not stopped and execute.must_record_gradient() and \
-                        opdefs.info(node.op_type).op_def is not None:
-                    execute.record_gradient(node.op_type, args, attrs, results)
+                results = _execute(node, args, logged.stopped, tapes, recorder, ctx)
                 for entry, r in zip(logged.outputs, results):
                     entry.value = r
         finally:
             recorder.override = None
     for custom in reversed(customs):  # recorded after the last matched step
         _replay_custom(custom)
+
+
+def _execute(node, args, stopped, tapes, recorder, ctx):
+    """Run ``node``'s op eagerly on ``args``, recorded (and on the tapes unless ``stopped``)."""
+    if not stopped:
+        watch_read(tapes, node.op_type, args[0] if args else None)
+    attrs = _flat_attrs(node.attrs)
+    try:
+        results = execute.execute_with_callbacks(
+            node.op_type, len(node.out_specs), args, attrs, ctx)
+    except errors.OpError as e:  # the graph failed here: eager fails the same way
+        recorder.aborted = True
+        raise _at_user_line(e, node.location) from None
+    # a tf.function's call has no registered gradient: its backward function is put back
+    # on the tapes among the iteration's custom gradients
+    if not stopped and execute.must_record_gradient() and \
+            opdefs.info(node.op_type).op_def is not None:
+        execute.record_gradient(node.op_type, args, attrs, results)
+    return results
+
+
+def _replay_skip(logged, before, recorder, tapes, ctx):
+    """Run a skipped library call's ops from the plan: what its method would have issued,
+    each recorded at the executed location it was traced at."""
+    values = {}  # (node, out) -> the value, of the steps replayed before and in the region
+    for earlier in before:
+        kind = type(earlier)
+        if kind in (LoggedOp, LoggedGradient):
+            for e in earlier.outputs:
+                if e is not None:
+                    values[(e.step.node, e.out)] = e.value
+        elif kind is LoggedPythonOp:
+            for k, t in enumerate(earlier.outputs):
+                values[(earlier.step.node, k)] = t
+        elif kind is LoggedSkip:
+            values.update(earlier.values)
+    logged.values = values
+    step = logged.step
+    recorder.mark("call", step.attrs, [_real(x) for x in logged.inputs])
+    for s in logged.steps[:-1]:
+        node = s.node
+        recorder.override = (node.location, node.site)
+        args = [values[slot.alts[0]] if slot.kind is SlotKind.NODE else
+                slot.tensor if slot.kind is not SlotKind.CONST else _tensor(slot.value, slot)
+                for slot in s.slots]
+        for k, r in enumerate(_execute(node, args, logged.stopped, tapes, recorder, ctx)):
+            values[(node, k)] = r
+    end = logged.steps[-1].node
+    recorder.override = (end.location, end.site)
+    recorder.mark("return", logged.steps[-1].attrs)
 
 
 def _replay_custom(custom):
@@ -234,14 +286,15 @@ def _tensor(x, slot):
     return constant_op.constant(x, dtype=dtypes.as_dtype(slot.dtype))
 
 
-def _replay_mark(step, tensors, extra, recorder):
-    tape = extra
-    if step.op_type == "enter":
-        tape.enter_real()
-    elif step.op_type == "exit":
-        tape.exit_real()
-    else:
-        tape.real.watch(tensors)
+def _replay_mark(step, tensors, tape, recorder):
+    """A tape's enter, exit or watch; ``tape`` None: a library region's mark, only recorded."""
+    if tape is not None:
+        if step.op_type == "enter":
+            tape.enter_real()
+        elif step.op_type == "exit":
+            tape.exit_real()
+        else:
+            tape.real.watch(tensors)
     recorder.mark(step.op_type, step.attrs, tensors)
 
 

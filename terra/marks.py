@@ -57,7 +57,7 @@ class TapeMarks:
         # A watched variable is its handle, as TF's tape watches it (not a read of its value,
         # which would leave the variable itself unwatched)
         rt = self.runtime
-        handles = [_handle_or_self(t) for t in tensors]
+        handles = [handle_or_self(t) for t in tensors]
         if rt.phase == "coexecution" and self._coexec(
                 lambda: rt.runner.mark("watch", tape.mark_attrs, handles, tape)):
             return
@@ -118,10 +118,10 @@ def grad_tensors(target, sources, output_gradients):
     flat = nest.flatten(target) + nest.flatten(sources)
     if output_gradients is not None:
         flat += nest.flatten(output_gradients)
-    return [_handle_or_self(x) for x in flat]
+    return [handle_or_self(x) for x in flat]
 
 
-def _handle_or_self(x):
+def handle_or_self(x):
     if isinstance(x, _Variable) or hasattr(x, "_should_act_as_resource_variable"):
         return x.handle
     return x

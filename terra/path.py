@@ -1,5 +1,6 @@
 """Following the plan's path where it branches: which successor of a branch point an op
-takes (section 3.11), and whether a loop's trip count is why an iteration left the path.
+takes (section 3.11), whether a loop's trip count is why an iteration left the path, and
+which library regions the runner may skip whole (section 3.15).
 
 The PythonRunner follows a path of single successors itself; these are the rarer choices,
 pure functions of the successors, the op being matched, the iteration's log of matched
@@ -7,6 +8,7 @@ steps and the executed location (``terra.location.Sites``) of the op being issue
 """
 
 from terra.divergence import Divergence, PathEnded
+from terra.nodes import NodeKind, SlotKind
 
 
 def branch(successors, kind, op_type, fits, twin, sites, log):
@@ -61,3 +63,31 @@ def loop_trips_differ(steps, cur, log, sid):
             for s in cur.next):
         return "a loop ran fewer trips than the traces that went on here"
     return None
+
+
+def skippable(call):
+    """The steps from a library call's ``call`` mark to its ``return`` mark, if Python may
+    skip them all (``terra.library_regions``): one path (no branch point, no loop), graph ops
+    only (nothing run in Python, nothing fetched: Python never looks at a value, so it cannot
+    branch on one), every input from the graph or the traces (nothing fed). None otherwise."""
+    if call.looped:
+        return None
+    steps, s = [], call
+    while True:
+        if len(s.next) != 1 or s.next[0] is None:
+            return None
+        s = s.next[0]
+        if s.kind is NodeKind.MARK:
+            return steps + [s] if s.op_type == "return" else None
+        if s.kind is not NodeKind.OP or s.python or s.dynamic or s.has_fetch or s.looped or \
+                s.check_shapes or any(not _settled(slot) for slot in s.slots):
+            return None
+        steps.append(s)
+
+
+def _settled(slot):
+    """An input the graph has without Python: a variable, a capture, a constant of the
+    traces, or the one output of a node that produces it."""
+    kind = slot.kind
+    return kind in (SlotKind.VAR, SlotKind.CAPTURE, SlotKind.CONST) or \
+        kind is SlotKind.NODE and len(slot.alts) == 1

@@ -34,6 +34,7 @@ from terra.fallback import (
     LoggedMark,
     LoggedOp,
     LoggedPythonOp,
+    LoggedSkip,
 )
 from terra.fast_path import fast_inputs, flatten, pack_fast, pack_plan
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
@@ -104,6 +105,7 @@ class PythonRunner:
         self.seqs = {}
         self.visits = {}
         self._packs = {}
+        self._skips = {}  # a library call's mark -> the steps Python skips (path.skippable)
         self.checks = Validation(self.step_of, tensors, self.seqs, self.value_of)
         self.standins = StandIns(self, tensors)
         self.waiting = Waiting(start, watchdog, timeout)
@@ -243,6 +245,36 @@ class PythonRunner:
                 self._visit(body_step)
         self._logged_move(step, flat)
         return flat
+
+    def library_call(self, attrs, tensors, stopped):
+        """A library region begins (``terra.library_regions``): match its ``call`` mark and,
+        if the plan runs the region straight through (``path.skippable``), move past its
+        ``return`` mark; the method is then not run at all. Returns whether it was skipped.
+        ``stopped``: gradient recording was paused (a replay runs the ops so)."""
+        it = self.it
+        step = self._expect(NodeKind.MARK, "call", lambda s: s.attrs == attrs)
+        if step.attrs != attrs:
+            raise Divergence("library call with different arguments or optimizer settings",
+                             "attribute change")
+        inputs = self.checks.inputs(it, step, list(tensors), feed=False)
+        skipped = self._skips.get(step, False)
+        if skipped is False:
+            skipped = self._skips[step] = path.skippable(step)
+        if skipped is None:
+            it.log.append(LoggedMark(step, inputs, None))
+            self._logged_move(step, None)
+            return False
+        it.log.append(LoggedSkip(step, inputs, skipped, stopped))
+        try:
+            self._move(step)
+            for s in skipped:
+                if self.cur.puts is not None:
+                    self._take(self.cur, 0)
+                self._move(s)
+        except GraphFailed as failed:
+            failed.ran = True  # the replay ran the region
+            raise
+        return True
 
     def custom_gradient(self, op_type, outputs, inputs, backward):
         """``tf.custom_gradient`` recorded its backward function for outputs of ops already

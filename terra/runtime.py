@@ -28,7 +28,7 @@ import traceback
 from tensorflow.python.eager import context
 from tensorflow.python.framework import errors
 
-from terra import events, hooks, interception
+from terra import events, hooks, interception, library_regions
 from terra import fallback as fallback_lib
 from terra.config import config
 from terra.divergence import (
@@ -60,6 +60,7 @@ class Stats:
     python_stall: float = 0.0  # seconds the PythonRunner waited for the graph
     graph_exec: float = 0.0  # seconds the GraphRunner spent in graph calls
     graph_idle: float = 0.0  # seconds the GraphRunner waited for the next iteration
+    skipped_calls: int = 0  # library calls (optimizer updates) the skeleton skipped
 
 
 class Runtime:
@@ -86,6 +87,8 @@ class Runtime:
         self.tracing_door = TracingDoor(self)
         self.coexec_door = CoexecDoor(self)
         self.marks = TapeMarks(self)
+        self.regions = library_regions.LibraryRegions(self.events.note)
+        library_regions.install()
         hooks.install()
         interception.install()
         interception.set_handler(self.tracing_door)
@@ -389,6 +392,7 @@ class Runtime:
         if self._graph_runner is not None:
             s.graph_exec = self._graph_runner.busy_time
             s.graph_idle = self._graph_runner.idle_time
+        s.skipped_calls = self.regions.skipped
         return s
 
     def shutdown(self):

@@ -210,12 +210,20 @@ class Recorder:
 
     def profile(self):
         """(seconds TF spent executing the recorded ops, ops the skeleton would issue: those
-        outside gradient regions, seconds recording took per op): the cost ledger's
+        outside gradient and library regions, seconds recording took per op): the ledger's
         prediction of what co-executing this iteration would save."""
         ops = len(self.records)
         if not ops:
             return 0.0, 0, 0.0
         skipped = sum(r.body_len for r in self.records if r.kind is NodeKind.GRAD)
+        call = None  # the index of an open library region's ``call`` mark
+        for i, r in enumerate(self.records):
+            if r.kind is NodeKind.MARK and r.op_type in ("call", "return"):
+                if r.op_type == "call":
+                    call = i
+                elif call is not None:
+                    skipped += i - call - 1
+                    call = None
         return self.executing - self.seconds, ops - skipped, self.seconds / ops
 
     def swap(self, x):

@@ -17,7 +17,15 @@ from differential import assert_same_as_eager, record_stats
 from tiny_models import batch, classification_data, mlp_loop, mlp_task, sparse_xent, state
 
 import terra
-from terra import graph_runner, lifecycle, python_runner, trace, tracegraph, validation
+from terra import (
+    graph_runner,
+    library_regions,
+    lifecycle,
+    python_runner,
+    trace,
+    tracegraph,
+    validation,
+)
 
 
 class Injected(Exception):
@@ -52,6 +60,8 @@ STAGES = {
     "validation": (validation.Validation, "inputs", 30, None),
     "fetch": (python_runner.PythonRunner, "value_of", 2, None),
     "gradient call": (python_runner.PythonRunner, "gradient", 2, None),
+    "library region guard": (library_regions, "attributes", 9, None),
+    "library call": (python_runner.PythonRunner, "library_call", 2, None),
     "graph runner": (graph_runner.GraphRunner, "_run", 2, _graph_runner_crash),
 }
 

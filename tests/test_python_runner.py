@@ -75,7 +75,8 @@ class Harness:
         self.graph_runner.cancel(it.job)
         fallback.restore(it.job, 30.0)
         self.runner.it = None
-        fallback.replay(it.log, Recorder({}, real_numpy, Sites()), [], it.customs)
+        self.recorder = Recorder({}, real_numpy, Sites())
+        fallback.replay(it.log, self.recorder, [], it.customs)
 
     def entry(self, t):
         return self.tensors[t._id]
@@ -294,3 +295,75 @@ def test_a_graph_error_is_raised_at_the_paths_end_with_the_stand_in(threads):
     assert h.entry(failed.result).node.op_type == "FloorDiv"
     with pytest.raises(tf.errors.InvalidArgumentError, match="raised by the op issued at"):
         fallback.replay(it.log, Recorder({}, real_numpy, Sites()), [], it.customs)
+
+
+# -- library regions: a call the skeleton skips (terra.library_regions) -------------------
+CALL = ("Adam.apply", ("t",), 0)
+
+
+def mark_at(line, what, *inputs, attrs=CALL):
+    rec = OpRecord(NodeKind.MARK, what, attrs, list(inputs), (), None)
+    rec.location, rec.site = at(line)
+    return rec
+
+
+def region_trace(value, other):
+    """``y = Neg(x)``; a library call on ``y`` whose region is ``AddV2(y, c)`` (``c``: the
+    same constant in both traces, or a value Python feeds if ``other`` differs); then
+    ``Exp(y)``, read by Python."""
+    x = ext(np.full((4, 3), value))
+    recs = [op_at(at(1), "Neg", x), mark_at(2, "call", OpRef(0, 0)),
+            op_at(at(3), "AddV2", OpRef(0, 0), ext(np.full((4, 3), other))),
+            mark_at(4, "return"), op_at(at(9), "Exp", OpRef(0, 0))]
+    recs[-1].fetched.add(0)
+    return recs
+
+
+def test_a_library_call_whose_region_needs_nothing_from_python_is_skipped(threads):
+    h = Harness(threads, region_trace(1.0, 2.0), region_trace(3.0, 2.0))
+    it = h.begin()
+    y = h.fast("Neg", x_of(2.0))
+    assert h.runner.library_call(CALL, [y], False) is True  # the method is not run
+    w = h.fast("Exp", y)
+    np.testing.assert_allclose(real_numpy(h.runner.value_of(h.entry(w))),
+                               np.exp(np.full((4, 3), -2.0)), rtol=1e-6)
+    assert [type(logged).__name__ for logged in it.log] == ["LoggedOp", "LoggedSkip", "LoggedOp"]
+    assert h.fallbacks == []
+
+
+def test_a_region_with_a_fed_input_takes_the_per_op_path(threads):
+    h = Harness(threads, region_trace(1.0, 2.0), region_trace(3.0, 5.0))
+    it = h.begin()
+    y = h.fast("Neg", x_of(2.0))
+    assert h.runner.library_call(CALL, [y], False) is False  # Python must feed AddV2's input
+    h.fast("AddV2", y, x_of(7.0))
+    h.runner.mark("return", CALL, (), None)
+    h.fast("Exp", y)
+    assert [type(logged).__name__ for logged in it.log] == \
+        ["LoggedOp", "LoggedMark", "LoggedOp", "LoggedMark", "LoggedOp"]
+
+
+def test_a_call_with_other_settings_diverges(threads):
+    h = Harness(threads, region_trace(1.0, 2.0), region_trace(3.0, 2.0))
+    h.begin()
+    y = h.fast("Neg", x_of(2.0))
+    with pytest.raises(Divergence) as raised:
+        h.runner.library_call(("Adam.apply", ("t",), 1), [y], False)
+    assert raised.value.category == "attribute change"
+
+
+def test_a_fallback_replays_a_skipped_region_from_the_plan(threads):
+    h = Harness(threads, region_trace(1.0, 2.0), region_trace(3.0, 2.0))
+    it = h.begin()
+    y = h.fast("Neg", x_of(2.0))
+    h.runner.library_call(CALL, [y], False)
+    skip = it.log[-1]
+    with pytest.raises(Divergence):
+        h.fast("Abs", y)  # not Exp: the iteration leaves the plan after the region
+    h.leave(None)
+    # the region's op ran eagerly on the replayed Neg and the traced constant
+    (add,) = [s for s in skip.steps if s.op_type == "AddV2"]
+    np.testing.assert_allclose(real_numpy(skip.values[(add.node, 0)]), np.zeros((4, 3)))
+    # its marks were recorded again (the recorder here has no op callback: ops go unseen)
+    marks = [(r.op_type, r.site) for r in h.recorder.records]
+    assert marks == [("call", (2, 0)), ("return", (4, 0))]

@@ -1,0 +1,269 @@
+"""Library regions: an optimizer update the skeleton skips, like a ``tape.gradient`` call.
+
+In co-execution every TF op the user's Python issues costs the skeleton its Python, and the
+optimizer update is most of them: Keras' ``apply`` loops over the variables in Python, a few
+dozen ops each, every step, although the graph already holds all those ops and Python never
+looks at their values. A call into the update of a library's own optimizer is therefore
+recorded between two tape marks, ``call`` (its tensor arguments as inputs) and ``return``;
+where the plan runs the ops between them straight through (no branch point, nothing Python
+feeds, fetches or runs, ``plan.skippable``), the PythonRunner matches the ``call`` mark and
+moves past the region without running the method at all (``PythonRunner.library_call``).
+
+Skipping Python is only right if the Python would have issued the same ops with the same
+constants, so a region is guarded like a compiler guards a specialization:
+
+- the optimizer's class is the library's own (``REGIONS``): a user subclass, whose Python
+  may do anything, and a wrapper such as Keras' ``LossScaleOptimizer`` keep the per-op path;
+  so does a learning-rate schedule of the user's;
+- the tensors passed in are the same producers as in the traces (the ``call`` mark's inputs
+  are validated like an op's: gradients of this iteration, the same variables);
+- the optimizer's Python attributes (numbers, strings, and the identity of every other
+  attribute, the schedule's too) are what they were when the region was traced: they are
+  in the mark's attrs, so a changed one is a divergence, like a changed op attribute;
+- the method changes none of them itself: a call after the first (which builds the slots)
+  that leaves the attributes otherwise, or attributes changed from outside between two calls
+  (a learning rate set as a Python float each epoch), turns regions off for that optimizer for
+  the rest of the run, with an ``explain()`` note; its updates then take the per-op path,
+  whose every op is checked.
+
+What the region returned must need nothing from the graph: ``None``, or the optimizer's
+iteration counter (a variable; tf_keras returns its ``assign_add``).
+"""
+
+import dataclasses
+import functools
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+from tensorflow.python.util import nest
+
+from terra import runtime
+from terra.location import user_location
+from terra.marks import handle_or_self
+
+_EagerTensor = ops.EagerTensor
+_PLAIN = (int, float, bool, str, bytes, complex, type(None))
+_CONTAINERS = (list, tuple, dict, set)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A library's optimizer update: ``module``.``cls``.``method`` is wrapped; instances of
+    classes defined in modules under ``family`` (and not ``excluded``) are eligible;
+    ``returns(optimizer)`` is what a skipped call hands back."""
+
+    module: str
+    cls: str
+    method: str
+    family: str
+    excluded: tuple = ()
+    returns: object = None
+
+
+def _iterations(optimizer):
+    return optimizer.iterations
+
+
+REGIONS = (
+    Region("keras.src.optimizers.base_optimizer", "BaseOptimizer", "apply",
+           "keras.src.optimizers.", ("keras.src.optimizers.loss_scale_optimizer",)),
+    Region("tf_keras.src.optimizers.optimizer", "Optimizer", "apply_gradients",
+           "tf_keras.src.optimizers.", ("tf_keras.src.optimizers.legacy",
+                                        "tf_keras.src.mixed_precision"), _iterations),
+) + tuple(Region(f"sonnet.src.optimizers.{m}", c, "apply", "sonnet.src.optimizers.")
+          for m, c in (("adam", "Adam"), ("sgd", "SGD"), ("momentum", "Momentum"),
+                       ("rmsprop", "RMSProp")))
+
+_installed = {}  # (module, class, method) -> the original function
+
+
+def install():
+    """Wrap the update method of every library in ``REGIONS`` that is imported already."""
+    for region in REGIONS:
+        key = (region.module, region.cls, region.method)
+        module = sys.modules.get(region.module)
+        if key in _installed or module is None:
+            continue
+        cls = getattr(module, region.cls, None)
+        original = getattr(cls, region.method, None)
+        if original is None:
+            continue
+        _installed[key] = original
+        setattr(cls, region.method, _wrap(original, region))
+
+
+def _wrap(original, region):
+    @functools.wraps(original)
+    def update(self, *args, **kwargs):
+        rt = runtime.current()
+        if rt is None or rt.phase not in ("tracing", "coexecution") or rt.regions.depth or \
+                not context.executing_eagerly() or rt.owner != threading.get_ident():
+            return original(self, *args, **kwargs)
+        rt.regions.depth += 1
+        try:
+            return rt.regions.call(rt, region, original, self, args, kwargs)
+        finally:
+            rt.regions.depth -= 1
+    update.__terra_original__ = original
+    return update
+
+
+class _State:
+    """What one runtime knows of one optimizer: its attributes after its last call, and why
+    its regions are off (None while on)."""
+
+    __slots__ = ("last", "off")
+
+    def __init__(self):
+        self.last = None
+        self.off = None
+
+
+class LibraryRegions:
+    """The regions of one runtime: the state per optimizer, and how many calls co-execution
+    skipped."""
+
+    def __init__(self, note):
+        self.note = note  # EventLog.note
+        self.depth = 0  # inside a region: a nested update is part of it
+        self.skipped = 0
+        self._states = weakref.WeakKeyDictionary()
+
+    def call(self, rt, region, original, opt, args, kwargs):
+        # an iterator (tf_keras takes ``zip(grads, variables)``) is read once, here
+        args = tuple(list(a) if isinstance(a, Iterator) else a for a in args)
+        try:
+            guard = self._guard(region, opt, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - Terra's own failure: the update runs eagerly
+            rt.fail_safe(err)
+            state = self._states.get(opt)
+            if state is not None:
+                state.off = f"Terra error {type(err).__name__}"
+            guard = None
+        if guard is None:
+            return original(opt, *args, **kwargs)
+        state, before, attrs, tensors = guard
+        if rt.phase == "coexecution" and rt.runner.it is not None:
+            try:
+                if rt.runner.library_call(attrs, tensors, pywrap_tfe.TFE_Py_TapeSetIsStopped()):
+                    self.skipped += 1
+                    return region.returns(opt) if region.returns else None
+            except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
+                # left co-execution; a graph error the replay reproduced is raised here, as
+                # at the op that raised it
+                if rt.handle(why):  # the replay ran the skipped region
+                    return region.returns(opt) if region.returns else None
+        if rt.phase == "tracing":
+            rt.recorder.mark("call", attrs, tensors)
+        result = original(opt, *args, **kwargs)
+        try:
+            self._after(opt, state, before)
+        except Exception as err:  # noqa: BLE001 - as above
+            rt.fail_safe(err)
+        self._return(rt, attrs)
+        return result
+
+    def _guard(self, region, opt, args, kwargs):
+        """Before the update: None if it is no region (and why, noted once), else what the
+        region is matched and recorded by: (state, attributes, the marks' attrs, tensors)."""
+        state = self._states.get(opt)
+        if state is None:
+            state = self._states[opt] = _State()
+        if state.off is None:
+            state.off = _ineligible(opt, region)
+        before = attributes(opt)
+        if state.off is None and state.last is not None and before != state.last:
+            self._off(opt, state, "its Python attributes changed between two calls: "
+                      + _changed(state.last, before))
+        tensors, leaves = _flatten(args, kwargs)
+        if state.off is None and leaves is None:
+            self._off(opt, state, "an argument is neither a tensor, a variable nor a number")
+        if state.off is not None:
+            state.last = before
+            return None
+        return state, before, (f"{region.cls}.{region.method}", leaves, hash(before)), tensors
+
+    def _after(self, opt, state, before):
+        """The update ran: one that changed the optimizer's attributes (after the first call,
+        which builds its slots) turns its regions off."""
+        after = attributes(opt)
+        if state.last is not None and after != before:
+            self._off(opt, state, "the update changed its Python attributes: "
+                      + _changed(before, after))
+        state.last = after
+
+    def _return(self, rt, attrs):
+        """The region's end: matched in co-execution (the per-op path), recorded in a trace."""
+        if rt.phase == "coexecution" and rt.runner.it is not None:
+            try:
+                rt.runner.mark("return", attrs, (), None)
+                return
+            except Exception as why:  # noqa: BLE001 - as above
+                if rt.handle(why):
+                    return
+        if rt.phase == "tracing":
+            rt.recorder.mark("return", attrs)
+
+    def _off(self, opt, state, why):
+        state.off = why
+        self.note("library region off", f"{type(opt).__name__}: {why}; its updates take "
+                  "the per-op path", user_location())
+
+
+def _ineligible(opt, region):
+    """Why ``opt``'s updates cannot be a region, or None."""
+    cls = type(opt)
+    module = cls.__module__
+    if not module.startswith(region.family) or module.startswith(region.excluded):
+        return f"{cls.__module__}.{cls.__qualname__} is not {region.family[:-1]}'s own class"
+    schedule = getattr(opt, "_learning_rate", None)
+    if callable(schedule) and not hasattr(schedule, "handle") and \
+            not type(schedule).__module__.startswith(region.family):
+        return f"its learning-rate schedule {type(schedule).__qualname__} is not the library's"
+    return None
+
+
+def attributes(obj, nested=True):
+    """The Python attributes of ``obj`` a region's ops may depend on: plain values by value,
+    containers by identity and length, anything else by identity (a schedule of the library's
+    also by its own attributes)."""
+    parts = []
+    for name, value in vars(obj).items():
+        kind = type(value)
+        if kind in _PLAIN:
+            parts.append((name, value))
+        elif kind in _CONTAINERS:
+            parts.append((name, id(value), len(value)))
+        elif nested and callable(value) and hasattr(value, "get_config") and \
+                hasattr(value, "__dict__"):
+            parts.append((name, id(value), attributes(value, False)))
+        else:
+            parts.append((name, id(value)))
+    return tuple(parts)
+
+
+def _changed(old, new):
+    names = [n[0] for n in set(new) - set(old)] + [o[0] for o in set(old) - set(new)]
+    return ", ".join(sorted(set(names))) or "their order"
+
+
+def _flatten(args, kwargs):
+    """The call's tensors (a variable as its handle), the mark's inputs, and the structure
+    a skipped call must have had (``"t"`` for a tensor, any other leaf by value); None for
+    the structure if a leaf is something else."""
+    tensors, leaves = [], []
+    for x in nest.flatten((args, kwargs), expand_composites=True):
+        x = handle_or_self(x)
+        if type(x) is _EagerTensor:
+            tensors.append(x)
+            leaves.append("t")
+        elif type(x) in _PLAIN:
+            leaves.append(x)
+        else:  # not checkable: the same object or another, the graph would not know
+            return tensors, None
+    return tensors, tuple(leaves)
