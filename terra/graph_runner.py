@@ -5,7 +5,8 @@ with ``execute_with_cancellation`` from this thread (``get_cancelable_function``
 module-global context and is not thread-safe). Before the call the runner snapshots the
 variables the graph writes (reads alias the buffers; TF copies on write), which is what a
 fallback restores. Jobs run strictly in order, so the snapshot of job *i* is the state at the
-start of iteration *i*.
+start of iteration *i*. While a profiler records, each call is a ``terra_graph_step`` span with
+the iteration's number as ``step_num`` (``terra.profiling``).
 """
 
 import queue
@@ -14,13 +15,16 @@ import time
 
 from tensorflow.python.eager import cancellation, context, execute
 
+from terra import profiling
+
 
 class Job:
-    __slots__ = ("graph", "cm", "done", "error", "snapshot", "cancelled",
+    __slots__ = ("graph", "step", "cm", "done", "error", "snapshot", "cancelled",
                  "submitted", "started", "exec_time")
 
-    def __init__(self, graph):
+    def __init__(self, graph, step=0):
         self.graph = graph
+        self.step = step  # the iteration's number, for the profiler's step view
         self.cm = cancellation.CancellationManager()
         self.done = threading.Event()
         self.error = self.snapshot = None
@@ -69,7 +73,8 @@ class GraphRunner:
             with self._lock:
                 job.started = not job.cancelled
             if job.started:
-                self._run(job, ctx)
+                with profiling.trace("terra_graph_step", step_num=job.step, _r=1):
+                    self._run(job, ctx)
             job.done.set()
 
     def _run(self, job, ctx):

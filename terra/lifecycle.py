@@ -11,7 +11,7 @@ never changes the runtime's state itself, so a phase is set in one place.
 
 import time
 
-from terra import background, budget, interception
+from terra import background, budget, interception, profiling
 from terra.config import config
 from terra.graph_builder import generate
 from terra.tracegraph import TraceGraph
@@ -70,6 +70,7 @@ class GraphLifecycle:
             raise GiveUp(verdict)
 
     # -- traces ---------------------------------------------------------------------------
+    @profiling.traced("terra_merge")
     def merge(self, rec):
         """Merge a finished trace into the TraceGraph. Returns whether the TraceGraph already
         covered it (time to generate), or None if the trace is not merged (dropped, aborted,
@@ -148,6 +149,7 @@ class GraphLifecycle:
                                            config.free_rebuilds)
 
     # -- graphs ---------------------------------------------------------------------------
+    @profiling.traced("terra_generate")
     def generate(self):
         """The graph of the TraceGraph, to install now; or None while TF instantiates it in
         another thread (``config.background``: :meth:`instantiated` hands it over). Raises

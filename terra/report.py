@@ -1,11 +1,14 @@
 """``terra.explain()``: what Terra did in this run and why, as text.
 
 By default a summary a user can read at a glance: the counters and phase, why Terra runs
-eagerly if it gave up, the cost ledger, the events grouped by kind and site with how often
-each happened (a fallback, a detour, Terra's own failure), and one line each on the
-TraceGraph and the graph co-executed now. ``verbose=True`` gives every event in full and in
-order, and the TraceGraph itself (the lines in Python loops with their trip counts, the loop
-nodes, the switch-cases, one node per line), which is what a Terra developer debugs with.
+eagerly if it gave up, the cost ledger, the host syncs (the user's lines where Python waited
+for the graph, costliest first, the first ten: a value read every step is what most often
+keeps the two runners from overlapping; ``terra.syncs``), the events grouped by kind and
+site with how often each happened (a fallback, a detour, Terra's own failure), and one line
+each on the TraceGraph and the graph co-executed now. ``verbose=True`` lists every host-sync
+line, gives every event in full and in order, and the TraceGraph itself (the lines in Python
+loops with their trip counts, the loop nodes, the switch-cases, one node per line), which is
+what a Terra developer debugs with.
 
 It only reads the runtime (``runtime.current()``); nothing here changes it.
 """
@@ -14,6 +17,7 @@ from terra import events, runtime
 from terra.nodes import NodeKind
 
 _MAX_LOOPS = 8  # lines in Python loops listed in full
+_MAX_SYNCS = 10  # host-sync lines in the summary
 
 
 def explain(verbose: bool = False) -> str:
@@ -32,6 +36,7 @@ def explain(verbose: bool = False) -> str:
         lines.append(f"running eagerly because {rt.unsupported}")
     lines.append(str(rt.lifecycle.ledger))
     lines.extend(plain)
+    lines.extend(rt.syncs.report(s.graph_idle, limit=None if verbose else _MAX_SYNCS))
     if verbose:
         lines.extend(f"{what}{_at(loc)}: {reason}" for what, reason, loc in rt.events)
         lines.extend(_tracegraph(rt))

@@ -16,7 +16,8 @@ and act on what it hands them: the doors (``terra.doors``) and the tape marks
 (``terra.lifecycle``) turns traces into graphs and decides when building one pays, and the
 event log (``terra.events``) keeps what happened for ``explain()`` (``terra.report``).
 Leaving co-execution (``Runtime.handle``, ``Runtime.leave``) stays here: it changes the
-phase, the recorder and the runners together.
+phase, the recorder and the runners together. While a profiler records, each phase of an
+iteration is a span on the loop's thread, begun and ended here (``terra.profiling``).
 """
 
 import dataclasses
@@ -28,7 +29,7 @@ import traceback
 from tensorflow.python.eager import context
 from tensorflow.python.framework import errors
 
-from terra import events, hooks, interception, library_regions
+from terra import events, hooks, interception, library_regions, profiling, syncs
 from terra import fallback as fallback_lib
 from terra.config import config
 from terra.divergence import (
@@ -80,6 +81,8 @@ class Runtime:
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
         self.lifecycle = GraphLifecycle(self.stats, self.events.note)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
+        self.span = profiling.Phase()  # the profiler's span of the phase under way
+        self.syncs = syncs.SyncLog()  # where Python waited for the graph (explain())
         self.ctx = context.context()
         self.owner = threading.get_ident()
         self._graph_runner = None
@@ -113,6 +116,7 @@ class Runtime:
         """The outermost tape is entered: the iteration before ends (and is booked), the next
         one begins in the phase that follows."""
         self._end_iteration()
+        self.span.end()
         self._book()
         self._begin_iteration()
 
@@ -142,8 +146,9 @@ class Runtime:
             self._start_recording()
         elif self.phase == "coexecution":
             # the previous iteration's job is done: the runner waits for it at its path's end
-            job = Job(self.graph)
+            job = Job(self.graph, s.iterations)
             it = Iteration(job)
+            self.span.begin("terra_coexecute", step_num=s.iterations)
             if not config.lazy:  # lazy: the PythonRunner submits when it first waits
                 self.graph_runner.submit(job)
             self.runner.begin(it)
@@ -196,12 +201,14 @@ class Runtime:
             self.leave(why)
             return
         self._close_iteration()
+        self.span.end()
         if self.phase == "coexecution":
             interception.set_handler(self.tracing_door)
 
     def _start_recording(self):
         if config.freeze_gc:  # a trace allocates enough to set off a full collection
             gc.freeze()
+        self.span.begin("terra_trace", step_num=self.stats.iterations)
         self.recorder = Recorder(hooks.tensors, hooks.original_numpy, self.sites)
         self.recorder.aborted = False
         self.ctx.add_op_callback(self.recorder.callback)
@@ -209,6 +216,7 @@ class Runtime:
 
     def _finish_trace(self):
         """Hand the finished trace to the lifecycle, and move to the phase it leads to."""
+        self.span.end()
         rec, self.recorder = self.recorder, None
         self.ctx.remove_op_callback(rec.callback)
         rec.finish()
@@ -239,6 +247,7 @@ class Runtime:
         self.runner = PythonRunner(self.graph, hooks.tensors, hooks.original_numpy, self._watchdog,
                                    config.timeout, self.handle, self.graph_runner.submit,
                                    self.sites)
+        self.runner.waiting.syncs = self.syncs
         self.phase = "coexecution"
         if config.freeze_gc:  # what tracing and generation left behind is not walked again
             gc.collect(1)
@@ -299,6 +308,7 @@ class Runtime:
                 raise why.user_error()
             raise RuntimeError(f"Terra: {why} at {user_location()}, after the iteration it "
                                "belongs to had ended; its tape was never run for real")
+        self.span.begin("terra_fallback")  # the trace that follows ends it, or the iteration
         job = it.job
         where = user_location()
         if isinstance(why, Divergence):
@@ -338,7 +348,8 @@ class Runtime:
             self.phase = "tracing"
             self._start_recording()
         try:
-            fallback_lib.replay(it.log, self.recorder, self.open_tapes, it.customs)
+            with profiling.trace("terra_replay"):
+                fallback_lib.replay(it.log, self.recorder, self.open_tapes, it.customs)
         finally:
             runner.sweep(it)
             it.release()
@@ -409,6 +420,7 @@ class Runtime:
         if self._graph_runner is not None:
             self._graph_runner.stop()
             self._watchdog.stop()
+        self.span.end()
         gc.unfreeze()
         interception.set_handler(self.tracing_door if hooks.tensors else None)
 
