@@ -10,17 +10,20 @@ time of the run so far) and its last co-executed iterations were not faster than
 would never earn it back. (A program that never gets to co-execute is stopped by the
 fallback limits, ``Config.max_fallbacks_in_a_row``.)
 
-The first graph is built at once unless the traces predict it would save next to nothing: a
-traced iteration tells how long its TF ops took to run (what co-execution moves to the graph
+The first graph is built at once unless the traces predict it would not pay for itself soon:
+a traced iteration tells how long its TF ops took to run (what co-execution moves to the graph
 thread) and how long recording took per op (Python work of the kind the skeleton does per op
 instead), so the saving per iteration is estimated before paying for the graph
-(:meth:`Ledger.first_graph`). The estimate is rough (on the corpus it was off by a factor of
-three to five for some programs, either way), so it only keeps out a program whose predicted
-saving is under ``Config.min_saving`` (5%) of an iteration: a TF-Agents DQN, ~5 ms of TF ops
-in a ~17 ms step of ~350 ops, whose co-executed step measured no faster than eager and whose
-40-step run paid two generations for it. Such a program runs eagerly (``waiting``) until the
-budget of the run affords the graph's estimated cost, so a wrong estimate costs at most the
-budget.
+(:meth:`Ledger.first_graph`), and so is the graph's cost (per node). A first graph whose
+predicted saving is under ``Config.min_saving`` (5%) of an iteration, or would take more than
+``MAX_PAYBACK`` iterations to pay for the graph, waits: the program runs eagerly
+(``waiting``) until the budget of the run affords the graph's estimated cost, so a wrong
+estimate costs at most the budget. Over a short run such a program stays at eager's speed,
+over a long one it gets its graph. A TF-Agents DQN (a ~15 ms step, ~30% saved once
+co-executing, a graph and its traces worth ~40 of its steps, and a second graph for the path
+its target-network sync takes) waits; a Sonnet MLP (~70% saved, paid back in ~15 steps) does
+not. The estimates are rough (the cost two to three times high, the saving off by tens of
+percent either way on the corpus), hence the margins of the limits.
 
 Nothing tells in advance whether a program will settle, and the next graphs are built if the
 last one was cheap (``Config.free_rebuilds``, each costing at most 20 eager iterations: a late
@@ -75,6 +78,11 @@ class Ledger:
     # seconds per op: 1.2-1.6 measured on the corpus (a co-executed step's time against an
     # eager one's, less the TF ops' time, per op: TF-Agents' DQN, Sonnet's MLP, GPflow's GPR).
     SKELETON_PER_OP = 1.25
+    # A first graph predicted to pay for itself later than this (in iterations) waits: on a
+    # run of 30 to 40 steps it would only cost (a TF-Agents DQN: ~30% saved per step after a
+    # graph of ~40 eager steps' cost). The cost estimate runs two to three times high on the
+    # corpus, so graphs that pay back in ~20 iterations pass.
+    MAX_PAYBACK = 50
 
     def reference(self):
         """Eager's time for one iteration, or None before one ran plainly. A traced
@@ -137,12 +145,15 @@ class Ledger:
 
     def first_graph(self, nodes: int) -> str | None:
         """None if the first graph (of ``nodes`` nodes) is to be built now: its predicted
-        saving is at least ``min_saving`` of an iteration, or its estimated cost fits the
-        budget of the run so far; else why not (for ``explain()``)."""
+        saving is at least ``min_saving`` of an iteration and pays for the graph within
+        ``MAX_PAYBACK`` iterations, or its cost fits the budget of the run so far; else why
+        not (for ``explain()``)."""
         saving, ref = self.saving(), self.reference()
-        if saving is None or ref is None or saving >= self.min_saving * ref:
+        if saving is None or ref is None or self.min_saving == float("-inf"):
             return None
         cost = self.build_cost(nodes)
+        if saving >= self.min_saving * ref and cost <= self.MAX_PAYBACK * saving:
+            return None
         if self.budget == float("inf") or \
                 self.spent - self.saved + cost <= self.budget * ref * self.iterations:
             return None
@@ -150,9 +161,10 @@ class Ledger:
         after = (self.spent - self.saved + cost) / (self.budget * ref)
         return (f"co-execution would save ~{max(saving, 0.0) * 1e3:.1f} ms of a ~{ref * 1e3:.1f} "
                 f"ms iteration (its TF ops take ~{ms:.1f} ms; the skeleton would spend "
-                f"~{ms - saving * 1e3:.1f} ms on its {ops:.0f} ops): running eagerly, and "
-                f"building the graph (~{cost:.2f}s) once the budget affords it (after "
-                f"~{after:.0f} iterations)")
+                f"~{ms - saving * 1e3:.1f} ms on its {ops:.0f} ops), too little to pay for "
+                f"the graph (~{cost:.2f}s) within {self.MAX_PAYBACK} iterations: running "
+                f"eagerly, and building it once the budget affords it (after ~{after:.0f} "
+                "iterations)")
 
     def generation(self, seconds: float):
         self.spent += seconds

@@ -398,8 +398,9 @@ def test_a_site_that_keeps_failing_runs_eagerly_while_other_iterations_coexecute
 
 def test_ledger_keeps_out_a_first_graph_predicted_to_save_next_to_nothing():
     """The prediction from the traces: TF ops' time minus the skeleton's per op (in
-    recording's seconds per op). Under 5% of an iteration, the graph waits until the budget
-    affords its estimated cost (per node, in recording's seconds per op)."""
+    recording's seconds per op). Under 5% of an iteration, or paying for the graph's
+    estimated cost (per node, in recording's seconds per op) only after ``MAX_PAYBACK``
+    iterations, the graph waits until the budget of the run affords it."""
     from terra.budget import Ledger
 
     heavy = Ledger(budget=0.05)
@@ -407,10 +408,21 @@ def test_ledger_keeps_out_a_first_graph_predicted_to_save_next_to_nothing():
     heavy.profile(kernels=0.050, ops=100, per_op=10e-6)  # 50 ms of ops, ~1 ms of skeleton
     assert heavy.first_graph(nodes=100) is None
 
-    modest = Ledger(budget=0.05)  # saves ~0.75 ms of 10 ms: built at once, however long
+    modest = Ledger(budget=0.05)  # saves ~0.75 ms of 10 ms
     modest.iteration("eager", 0.010)
     modest.profile(kernels=0.002, ops=100, per_op=10e-6)
-    assert modest.first_graph(nodes=5000) is None
+    assert modest.first_graph(nodes=100) is None  # a graph of 32 ms: paid in ~43 iterations
+    why = modest.first_graph(nodes=1000)  # 0.32 s: ~427 iterations to pay for it
+    assert "within 50 iterations" in why and "after ~640" in why, why
+    for _ in range(638):
+        modest.iteration("eager", 0.010)
+    assert modest.first_graph(nodes=1000) is not None
+    modest.iteration("eager", 0.010)  # 5% of 640 iterations of 10 ms affords 0.32 s
+    assert modest.first_graph(nodes=1000) is None
+    forced = Ledger(budget=0.05, min_saving=float("-inf"))  # whatever it predicts
+    forced.iteration("eager", 0.010)
+    forced.profile(kernels=0.002, ops=400, per_op=10e-6)
+    assert forced.first_graph(nodes=1000) is None
 
     cheap = Ledger(budget=0.05)  # 2 ms of ops, ~5 ms of skeleton: nothing to save
     cheap.iteration("eager", 0.010)
