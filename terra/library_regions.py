@@ -79,7 +79,7 @@ REGIONS = (
           for m, c in (("adam", "Adam"), ("sgd", "SGD"), ("momentum", "Momentum"),
                        ("rmsprop", "RMSProp")))
 
-_installed = {}  # (module, class, method) -> the original function
+_installed = set()  # (module, class, method) wrapped already
 
 
 def install():
@@ -93,7 +93,7 @@ def install():
         original = getattr(cls, region.method, None)
         if original is None:
             continue
-        _installed[key] = original
+        _installed.add(key)
         setattr(cls, region.method, _wrap(original, region))
 
 
@@ -109,7 +109,6 @@ def _wrap(original, region):
             return rt.regions.call(rt, region, original, self, args, kwargs)
         finally:
             rt.regions.depth -= 1
-    update.__terra_original__ = original
     return update
 
 
