@@ -131,8 +131,18 @@ def summarize(runs: list[dict], programs, modes, rtol: float, atol: float,
             row["traces"] = _median([_traces(r) for r in mine])
             row["peak_rss_mb"] = _median([r.get("peak_rss_mb") for r in mine])
             row["warmup_s"] = _median([r.get("warmup_s") for r in mine])
+            row["startup_steps"] = _median([_startup(r, e) for r, e in zip(mine, eager)])
             rows.append(row)
     return rows
+
+
+def _startup(run, eager):
+    """What the mode's warm-up took over eager's, in eager steps of the same repeat: Terra's
+    tracing, generation and instantiation, AutoGraph's tracing, XLA's compilation."""
+    if run is eager or None in (run.get("warmup_s"), eager.get("warmup_s"),
+                                eager.get("steps_per_s")):
+        return None
+    return (run["warmup_s"] - eager["warmup_s"]) * eager["steps_per_s"]
 
 
 def _check(program, mode, mine, eager, rtol, atol) -> dict:

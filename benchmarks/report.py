@@ -39,6 +39,7 @@ COLUMNS = [
     ("fallbacks", lambda r: _num(r.get("fallbacks"), "{:g}")),
     ("coexec", lambda r: _num(r.get("coexecuted"), "{:g}")),
     ("warm-up s", lambda r: _num(r.get("warmup_s"), "{:.1f}")),
+    ("start-up", lambda r: _num(r.get("startup_steps"), "{:.0f}")),
     ("peak MB", lambda r: _num(r.get("peak_rss_mb"), "{:.0f}")),
     ("losses vs eager", _losses),
 ]
