@@ -63,7 +63,7 @@ class LoggedSkip:
     inputs: list
     steps: list
     stopped: bool
-    values: dict = None  # once replayed: (node, out) -> value of its ops
+    values: dict = None  # once replayed: (node, out) -> (order, value), ``_replayed``
 
 
 @dataclasses.dataclass(slots=True)
@@ -226,33 +226,63 @@ def _execute(node, args, stopped, tapes, recorder, ctx):
 
 def _replay_skip(logged, before, recorder, tapes, ctx):
     """Run a skipped library call's ops from the plan: what its method would have issued,
-    each recorded at the executed location it was traced at."""
-    values = {}  # (node, out) -> the value, of the steps replayed before and in the region
-    for earlier in before:
+    each recorded at the executed location it was traced at, on the replayed values of its
+    producers (``before``: the log replayed so far)."""
+    values, reads = _replayed(before)
+    logged.values = values
+    step = logged.step
+    recorder.mark("call", step.attrs, [_real(x) for x in logged.inputs])
+    ops = logged.steps[:-1]
+    for j, s in enumerate(ops):
+        node = s.node
+        recorder.override = (node.location, node.site)
+        args = [_skipped_input(slot, values, reads) for slot in s.slots]
+        order = len(before) + (j + 1) / (len(ops) + 1)  # after the call, before what follows
+        for k, r in enumerate(_execute(node, args, logged.stopped, tapes, recorder, ctx)):
+            values[(node, k)] = (order, r)
+    end = logged.steps[-1].node
+    recorder.override = (end.location, end.site)
+    recorder.mark("return", logged.steps[-1].attrs)
+
+
+def _replayed(before):
+    """What the replayed steps ``before`` produced, ``(node, out) -> (order, value)``, and
+    read, ``node -> (order, inputs)``: the order tells which of several producers of a joined
+    input ran last."""
+    values, reads = {}, {}
+    for order, earlier in enumerate(before):
         kind = type(earlier)
         if kind in (LoggedOp, LoggedGradient):
             for e in earlier.outputs:
                 if e is not None:
-                    values[(e.step.node, e.out)] = e.value
+                    values[(e.step.node, e.out)] = (order, e.value)
         elif kind is LoggedPythonOp:
             for k, t in enumerate(earlier.outputs):
-                values[(earlier.step.node, k)] = t
+                values[(earlier.step.node, k)] = (order, t)
         elif kind is LoggedSkip:
             values.update(earlier.values)
-    logged.values = values
-    step = logged.step
-    recorder.mark("call", step.attrs, [_real(x) for x in logged.inputs])
-    for s in logged.steps[:-1]:
-        node = s.node
-        recorder.override = (node.location, node.site)
-        args = [values[slot.alts[0]] if slot.kind is SlotKind.NODE else
-                slot.tensor if slot.kind is not SlotKind.CONST else _tensor(slot.value, slot)
-                for slot in s.slots]
-        for k, r in enumerate(_execute(node, args, logged.stopped, tapes, recorder, ctx)):
-            values[(node, k)] = r
-    end = logged.steps[-1].node
-    recorder.override = (end.location, end.site)
-    recorder.mark("return", logged.steps[-1].attrs)
+        if kind in (LoggedOp, LoggedPythonOp):
+            reads[earlier.step.node] = (order, earlier.inputs)
+    return values, reads
+
+
+def _skipped_input(slot, values, reads):
+    """The value an input of a skipped op reads: its producer's output (the one that ran last
+    of a joined input's), an external value an earlier op read first, or the slot's own."""
+    kind = slot.kind
+    if kind is SlotKind.NODE:
+        return max((values[a] for a in slot.alts if a in values), key=_first)[1]
+    if kind is SlotKind.SAME:
+        order, inputs, k = max(((*reads[n], k) for n, k in slot.alts if n in reads),
+                               key=_first)
+        return _real(inputs[k])
+    if kind is SlotKind.CONST:
+        return _tensor(slot.value, slot)
+    return slot.tensor  # a variable's handle, a capture
+
+
+def _first(pair):
+    return pair[0]
 
 
 def _replay_custom(custom):

@@ -69,7 +69,10 @@ def skippable(call):
     """The steps from a library call's ``call`` mark to its ``return`` mark, if Python may
     skip them all (``terra.library_regions``): one path (no branch point, no loop), graph ops
     only (nothing run in Python, nothing fetched: Python never looks at a value, so it cannot
-    branch on one), every input from the graph or the traces (nothing fed). None otherwise."""
+    branch on one), every input one the graph has (nothing fed here); output shapes that vary
+    with the input shapes are the graph's business, Python takes no stand-in. None otherwise. A
+    joined input's producer is not noted (``Iteration.took``): a later gradient call whose
+    cone reads it then finds none and falls back."""
     if call.looped:
         return None
     steps, s = [], call
@@ -80,14 +83,14 @@ def skippable(call):
         if s.kind is NodeKind.MARK:
             return steps + [s] if s.op_type == "return" else None
         if s.kind is not NodeKind.OP or s.python or s.dynamic or s.has_fetch or s.looped or \
-                s.check_shapes or any(not _settled(slot) for slot in s.slots):
+                any(not _settled(slot) for slot in s.slots):
             return None
         steps.append(s)
 
 
 def _settled(slot):
-    """An input the graph has without Python: a variable, a capture, a constant of the
-    traces, or the one output of a node that produces it."""
-    kind = slot.kind
-    return kind in (SlotKind.VAR, SlotKind.CAPTURE, SlotKind.CONST) or \
-        kind is SlotKind.NODE and len(slot.alts) == 1
+    """An input the graph has without Python: an output of a node (the one that ran last, if
+    several can produce it: the graph selects it as the path did), a variable, a capture, a
+    constant of the traces, or an external value fed earlier in the iteration; not one
+    Python feeds here."""
+    return slot.kind is not SlotKind.FEED and slot.kind is not SlotKind.RESOURCE

@@ -20,7 +20,7 @@ from terra.divergence import Divergence, GraphFailed, PathEnded
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import Sites
-from terra.nodes import ExtRef, NodeKind, OpRef
+from terra.nodes import ExtRef, NodeKind, OpRef, SameRef
 from terra.python_runner import Iteration, PythonRunner
 from terra.trace import OpRecord, Recorder
 from terra.tracegraph import TraceGraph
@@ -363,7 +363,33 @@ def test_a_fallback_replays_a_skipped_region_from_the_plan(threads):
     h.leave(None)
     # the region's op ran eagerly on the replayed Neg and the traced constant
     (add,) = [s for s in skip.steps if s.op_type == "AddV2"]
-    np.testing.assert_allclose(real_numpy(skip.values[(add.node, 0)]), np.zeros((4, 3)))
+    np.testing.assert_allclose(real_numpy(skip.values[(add.node, 0)][1]), np.zeros((4, 3)))
     # its marks were recorded again (the recorder here has no op callback: ops go unseen)
     marks = [(r.op_type, r.site) for r in h.recorder.records]
     assert marks == [("call", (2, 0)), ("return", (4, 0))]
+
+
+def same_input_trace(value):
+    """A region whose op reads again the external value ``Neg`` read first (``x``, fed):
+    ``Sub(y, x)``; the graph reads it from the feed, Python feeds nothing in the region."""
+    x = ext(np.full((4, 3), value))
+    recs = [op_at(at(1), "Neg", x), mark_at(2, "call", OpRef(0, 0)),
+            op_at(at(3), "Sub", OpRef(0, 0), SameRef(0, 0)),
+            mark_at(4, "return"), op_at(at(9), "Exp", OpRef(0, 0))]
+    recs[-1].fetched.add(0)
+    return recs
+
+
+def test_a_skipped_region_reads_a_value_fed_before_it_in_the_replay_too(threads):
+    h = Harness(threads, same_input_trace(1.0), same_input_trace(3.0))
+    it = h.begin()
+    y = h.fast("Neg", x_of(2.0))
+    assert h.runner.library_call(CALL, [y], False) is True
+    skip = it.log[-1]
+    with pytest.raises(Divergence):
+        h.fast("Abs", y)
+    h.leave(None)
+    (sub,) = [s for s in skip.steps if s.op_type == "Sub"]
+    assert sub.slots[1].kind == "same"
+    np.testing.assert_allclose(real_numpy(skip.values[(sub.node, 0)][1]),
+                               np.full((4, 3), -4.0))  # -2 - 2: this iteration's x
