@@ -31,9 +31,28 @@ class RegionMissed(Divergence):
         self.call = call
 
 
-class PathEnded(Divergence):
+class OffPath(Divergence):
+    """An op the path does not have next, raised before anything of it was matched (no Case
+    Select fed, nothing logged), so at a branch point too the iteration may end there
+    (``PythonRunner.may_end_before``)."""
+
+
+class PathEnded(OffPath):
     """An op arrived after the whole recorded path had been matched: the loop is over, or
     this iteration does more than the traced ones did after their last recorded op."""
+
+
+class RaisedInPython(Divergence):
+    """An op that Python runs for real (an iterator's ``get_next``) raised TF's error, as
+    eager raises it there (``OutOfRangeError`` at the end of a dataset, which Keras and
+    ``for x in dataset`` take as the epoch's end). The op ran once and must not run again:
+    the runtime ends the iteration there or falls back, then raises ``error``
+    (``Runtime.handle``)."""
+
+    def __init__(self, error):
+        super().__init__(f"{type(error).__name__} raised by an op run in Python: {error}",
+                         "user exception")
+        self.error = error
 
 
 class RanThenDiverged(Divergence):

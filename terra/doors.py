@@ -117,22 +117,24 @@ class CoexecDoor:
 
     def fast(self, ctx, op_type, name, args):
         rt = self.runtime
+        at = rt.runner.cur  # where the op found the runner: was its step matched?
         try:
             return rt.runner.fast(ctx, op_type, name, args)
         except _FallbackException:  # the op wrapper takes its slow path, through the doors
             raise
         except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
-            if rt.handle(why, at_op=True):
+            if rt.handle(why, at_op=at):
                 return why.result
         fallback_lib.watch_read(rt.open_tapes, op_type, args[0] if args else None)
         return rt.tracing_door.fast(ctx, op_type, name, args)
 
     def slow(self, op_type, num_outputs, inputs, attrs, ctx, name=None):
         rt = self.runtime
+        at = rt.runner.cur
         try:
             return rt.runner.slow(op_type, num_outputs, inputs, attrs, ctx, name)
         except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
-            if rt.handle(why, at_op=True):
+            if rt.handle(why, at_op=at):
                 return why.result
         fallback_lib.watch_read(rt.open_tapes, opdefs.op_name(op_type),
                                 inputs[0] if inputs else None)

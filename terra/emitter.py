@@ -40,8 +40,6 @@ from terra.nodes import NodeKind, SlotKind, relax
 from terra.plan import shape_fn_decides
 from terra.queues import Channel
 
-_READ_ONLY_VAR_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
-                                "VariableShape"})
 # Outputs whose graph shape TF leaves unknown although it depends on nothing but the input
 # shapes (a kernel's scratch space): not data-dependent, so not fetched
 _SCRATCH_OUTPUTS = {"FusedBatchNormV3": frozenset({5}), "_FusedBatchNormEx": frozenset({5})}
@@ -170,7 +168,7 @@ class Emitter:
             keep_eager_rounding([op])
         if self.xla and not step.check_shapes and not self._looping:  # a new shape would
             self._for_xla(graph, n_ops)  # recompile its cluster; a While is not clustered
-        if node.in_graph and node.op_type not in _READ_ONLY_VAR_OPS:
+        if node.in_graph and node.op_type not in opdefs.READ_ONLY_VARIABLE_OPS:
             for slot in step.slots:
                 if slot.kind is SlotKind.VAR:
                     self.written.setdefault(slot.tensor._id,

@@ -32,6 +32,11 @@ _VARIABLE_OPS = frozenset({
 })
 _VARIABLE_PREFIXES = ("ResourceApply", "ResourceSparseApply", "ResourceScatter")
 
+# Variable ops that only read: with the stateless ops, what the graph may run ahead of Python
+# and drop (``OpInfo.effect_free``).
+READ_ONLY_VARIABLE_OPS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
+                                    "VariableShape"})
+
 # Stateful ops whose state is harmless to keep in the graph: they are deterministic
 # functions of their inputs (the statefulness marks side-effect ordering only).
 _PURE_STATEFUL_OPS = frozenset({"Assert", "CheckNumerics", "CheckNumericsV2"})
@@ -49,7 +54,7 @@ class OpInfo:
     """Cached facts about one op type."""
 
     __slots__ = ("name", "op_def", "n_inputs", "list_inputs", "has_list", "attr_types",
-                 "in_graph")
+                 "in_graph", "effect_free")
 
     def __init__(self, name, op_def):
         self.name = name
@@ -60,6 +65,7 @@ class OpInfo:
             self.has_list = False
             self.attr_types = {}
             self.in_graph = _function_in_graph(name)  # False if there is no such function
+            self.effect_free = False
             return
         args = op_def.input_arg
         self.n_inputs = len(args)
@@ -68,6 +74,8 @@ class OpInfo:
         self.attr_types = {a.name: a.type for a in op_def.attr}
         self.in_graph = (not op_def.is_stateful or name in _VARIABLE_OPS
                          or name.startswith(_VARIABLE_PREFIXES) or name in _PURE_STATEFUL_OPS)
+        # the graph running it changes no state (Assert and CheckNumerics are stateful)
+        self.effect_free = not op_def.is_stateful or name in READ_ONLY_VARIABLE_OPS
 
 
 # Ops whose statefulness is that of the functions they call (checked through their

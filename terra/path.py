@@ -7,7 +7,7 @@ pure functions of the successors, the op being matched, the iteration's log of m
 steps and the executed location (``terra.location.Sites``) of the op being issued.
 """
 
-from terra.divergence import Divergence, PathEnded
+from terra.divergence import OffPath, PathEnded
 from terra.nodes import NodeKind, SlotKind
 
 
@@ -26,7 +26,7 @@ def branch(successors, kind, op_type, fits, twin, sites, log):
     if not found:
         if None in successors:
             raise PathEnded(f"{op_type} after the end of a recorded iteration")
-        raise Divergence(f"new branch: {op_type} where the recorded iterations had "
+        raise OffPath(f"new branch: {op_type} where the recorded iterations had "
                          + ", ".join(sorted({s.op_type for s in successors if s is not None})))
     return found[0]
 

@@ -16,7 +16,8 @@ stand-ins Python still holds (``terra.escapes``).
 """
 
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.framework import constant_op, dtypes, ops
+from tensorflow.python.eager.core import _NotOkStatusException
+from tensorflow.python.framework import constant_op, dtypes, errors, ops
 from tensorflow.python.util import nest
 
 from terra import escapes, functions, opdefs, path
@@ -24,7 +25,9 @@ from terra.divergence import (
     Divergence,
     GraphFailed,
     IterationAborted,
+    OffPath,
     PathEnded,
+    RaisedInPython,
     RanThenDiverged,
 )
 from terra.fallback import (
@@ -106,6 +109,7 @@ class PythonRunner:
         self.visits = {}
         self._packs = {}
         self._skips = {}  # a library call's mark -> the steps Python skips (path.skippable)
+        self._took = None  # (step, seq) of the last Case Selects fed: the edge out of step
         self.checks = Validation(self.step_of, tensors, self.seqs, self.value_of)
         self.standins = StandIns(self, tensors)
         self.waiting = Waiting(start, watchdog, timeout)
@@ -141,12 +145,57 @@ class PythonRunner:
         """Whether the iteration may end here: a recorded iteration ended at this step."""
         return None in self.cur.next
 
+    def rest_without_effects(self):
+        """The edges ``(step, successor index)`` from the last matched step to the path's
+        end if the graph may end the iteration without the steps on them, None otherwise:
+        ops that change nothing the next iteration sees and wait for nothing from Python.
+        Those are ops Python runs itself (an iterator's ``get_next``) whose outputs the graph
+        does not read, and graph ops that only compute or read variables (a counter read
+        back for Python) with no fed input; past a branch point, Python-run ops alone (then
+        whichever branch the graph is told to take runs none of the graph's ops).
+
+        Then the state the graph leaves is eager's at this point, so an op that leaves the
+        path here (Keras ending an epoch where the traces drew the next batch) may close
+        the iteration instead of falling back (``Runtime.handle``): the values the graph
+        computed ahead are dropped unread, and nothing is replayed or traced."""
+        cur, edges = self.cur, []
+        while None not in cur.next:
+            if len(cur.next) > 1 and not all(_python_to_end(s) for s in cur.next):
+                return None
+            step = cur.next[0]
+            if step.kind is not _OP or step.looped or (
+                    any(channel is not None for channel in step.out_feed) if step.python else
+                    not opdefs.info(step.op_type).effect_free or
+                    any(channel is not None for channel in step.feed)):
+                return None
+            edges.append((cur, 0))
+            cur = step
+        edges.append((cur, cur.next.index(None)))
+        return edges
+
+    def may_end_before(self, why) -> bool:
+        """Whether the op being issued, which left the path (``why``) before its step was
+        matched, may end the iteration here instead of falling back: the rest of the path
+        has no effects (:meth:`rest_without_effects`), and at a branch point the op matched
+        none of the successors (a Case Select fed for one, or a fed input of one, would be
+        read by the graph's next iteration)."""
+        if len(self.cur.next) > 1 and not isinstance(why, OffPath):
+            return False
+        return self.rest_without_effects() is not None
+
     def end_path(self):
-        """The iteration ends here: tell the graph (if the path could also go on) and wait
-        for it to finish, so a graph-side error belongs to this iteration."""
+        """The iteration ends here: tell the graph (if the path could also go on, or its
+        rest has no effects: :meth:`rest_without_effects`) and wait for it to finish, so a
+        graph-side error belongs to this iteration."""
         cur = self.cur
-        if len(cur.next) > 1:
-            self._take(cur, cur.next.index(None))
+        if len(cur.next) > 1 or cur.next[0] is not None:  # (else _move told the graph)
+            for n, (step, i) in enumerate(self.rest_without_effects()):
+                if n and step.has_fetch:  # its values, computed ahead, are taken unread
+                    self._visit(step)
+                # the Case Selects Python would have fed on the way (the first edge's are
+                # fed already if an op matched its step, then failed a check)
+                if step.puts is not None and (n or self._took != (cur, self.seq)):
+                    self._take(step, i)
             self.cur = _ENDED
         self._path_end()
 
@@ -170,8 +219,11 @@ class PythonRunner:
         if step.python:
             real = [[self._real(x) for x in a] if type(a) in (list, tuple) else self._real(a)
                     for a in inputs]
-            return self._run_python(step, flatten(info, real),
-                                    ORIGINAL_FAST(ctx, op_type, name, *real, *attrs))
+            try:
+                result = ORIGINAL_FAST(ctx, op_type, name, *real, *attrs)
+            except _NotOkStatusException as error:  # TF's error, eager's too
+                raise RaisedInPython(error) from None
+            return self._run_python(step, flatten(info, real), result)
         plan = self._packs.get(step)
         if plan is None:
             plan = self._packs[step] = pack_plan(info, step)
@@ -195,8 +247,11 @@ class PythonRunner:
             checks.check_attrs(step, op_type, attrs, False)
         if step.python:
             real = [self._real(a) for a in inputs]
-            return self._run_python(step, real,
-                                    ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name))
+            try:
+                result = ORIGINAL_SLOW(op_type, num_outputs, real, attrs, ctx, name)
+            except errors.OpError as error:  # TF's error, eager's too
+                raise RaisedInPython(error) from None
+            return self._run_python(step, real, result)
         if step.op_type == op_type:
             return self._run(step, inputs)
         # the traced forward call, reached by its inference twin: Python gets the outputs,
@@ -401,7 +456,7 @@ class PythonRunner:
                 raise PathEnded(f"{op_type} after the end of the recorded iteration")
             if step.kind is not kind or step.op_type != op_type and (
                     step.op_type != twin or step.python):
-                raise Divergence(f"expected {step.op_type}, got {op_type}")
+                raise OffPath(f"expected {step.op_type}, got {op_type}")
             if cur.puts is not None:
                 self._take(cur, 0)
             return step
@@ -443,6 +498,7 @@ class PythonRunner:
         switch-cases that edge selects in."""
         puts = step.puts
         if puts is not None:
+            self._took = (step, self.seq)
             index = self._case_index
             for channel, k in puts[i]:
                 channel.put(index[k])
@@ -474,7 +530,24 @@ class PythonRunner:
         return escapes.sweep(it, self.tensors)
 
 
-# Where the runner is once an iteration has ended at a branch point: any further op is past
-# the end.
+def _python_to_end(step):
+    """Whether every path from ``step`` to the iteration's end has only ops Python runs
+    itself, none of whose outputs the graph reads (a branch point's successors that
+    :meth:`PythonRunner.rest_without_effects` may pass)."""
+    todo, seen = [step], set()
+    while todo:
+        s = todo.pop()
+        if s is None or s in seen:
+            continue
+        seen.add(s)
+        if s.kind is not _OP or not s.python or s.looped or \
+                any(channel is not None for channel in s.out_feed):
+            return False
+        todo.extend(s.next)
+    return True
+
+
+# Where the runner is once an iteration has ended at a branch point or before its path's end:
+# any further op is past the end.
 _ENDED = Step(None)
 _ENDED.next = [None]

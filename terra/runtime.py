@@ -37,6 +37,7 @@ from terra.divergence import (
     GraphFailed,
     IterationAborted,
     PathEnded,
+    RaisedInPython,
     RegionMissed,
 )
 from terra.doors import CoexecDoor, TracingDoor
@@ -193,10 +194,12 @@ class Runtime:
             self.runner.it = None
 
     def path_ended(self, why):
-        """An op after the end of the matched path, with no tape open: the iteration is
-        complete (typically the loop is over and Python reads results) and its graph work is
-        done. Close it and run the op eagerly, untraced, like any op between iterations. With
-        a tape open the op may need recording: fall back."""
+        """An op after the end of the matched path, or off a path whose rest has no effects
+        (``PythonRunner.rest_without_effects``), with no tape open: the iteration's graph work
+        is done (typically the loop is over and Python reads results, or Keras ends an epoch
+        where the traces drew the next batch). Close it and run the op eagerly, untraced,
+        like any op between iterations: no replay, no new trace. With a tape open the op may
+        need recording: fall back."""
         if self.open_tapes:
             self.leave(why)
             return
@@ -260,22 +263,43 @@ class Runtime:
         interception.set_handler(self.tracing_door)
 
     # -- leaving co-execution -------------------------------------------------------------
-    def handle(self, why, at_op=False) -> bool:
+    def handle(self, why, at_op=None) -> bool:
         """The one place co-execution is left. ``why`` is a :class:`Divergence`, a graph
         error (:class:`GraphFailed`) or any other exception, which is Terra's own failure
         (:meth:`fail_safe`). Returns whether the op being matched already ran (the replay
         ran it; its result is ``why.result``); if not, the caller runs it eagerly. ``at_op``:
-        raised at an op issued through a door, where an op past the end of the matched path
-        with no tape open closes the iteration instead (:meth:`path_ended`)."""
+        raised at an op issued through a door, which found the runner at step ``at_op``:
+        an op past the end of the matched path, or one that left the path before its step
+        was matched where the rest of the path has no effects
+        (``PythonRunner.may_end_before``), with no tape open, closes the iteration instead
+        (:meth:`path_ended`). TF's error from an op run in Python is raised, after the
+        iteration is closed or left (:meth:`_raised_in_python`)."""
         if not isinstance(why, (Divergence, GraphFailed)):
             self.fail_safe(why)
             return False
+        if isinstance(why, RaisedInPython):
+            self._raised_in_python(why, at_op)
         if self.coexecuting():  # else left already, by an op this one issued (a variable read)
-            if at_op and isinstance(why, PathEnded):
+            if at_op is not None and (isinstance(why, PathEnded) or isinstance(why, Divergence)
+                                      and not why.ran and self.runner.cur is at_op
+                                      and self.runner.may_end_before(why)):
                 self.path_ended(why)
                 return False
             self.leave(why)
         return why.ran
+
+    def _raised_in_python(self, why, at_op):
+        """An op Python ran for real raised TF's error (``why.error``), which eager raises
+        at this op too: end the iteration before it where the rest of the path has no
+        effects (Keras' iterator at the end of a dataset of unknown length), else fall back
+        so the variables are eager's here; then raise the error. The op is not run again."""
+        if self.coexecuting():
+            if at_op is not None and self.runner.cur is at_op and \
+                    self.runner.may_end_before(why):
+                self.path_ended(why)
+            else:
+                self.leave(why)
+        raise why.error
 
     def coexecuting(self) -> bool:
         """Whether an iteration is being co-executed now (not yet left, not yet closed)."""

@@ -2,11 +2,11 @@
 co-execute again afterwards.
 
 The change comes at different depths of the iteration: before the forward pass (the graph has
-barely started), in the loss (mid-way), and after ``apply_gradients`` but before the step's
-recorded metric op (the graph has already updated the variables, which must be rolled back and
-the iteration replayed eagerly). An extra op *between* iterations (after the last recorded op,
-before the next tape) needs no fallback: the graph finishes the iteration and the op runs
-eagerly.
+barely started) and in the loss (mid-way): the graph's work is rolled back and the iteration
+replayed eagerly. After ``apply_gradients`` but before the step's recorded metric op, the
+graph has only computed that metric ahead (no variable written, nothing Python must feed), so
+the iteration ends there instead and the extra op runs eagerly, as does an extra op *between*
+iterations (after the last recorded op, before the next tape): neither needs a fallback.
 """
 
 import pytest
@@ -45,7 +45,7 @@ def path_change_program(where):
     return program
 
 
-@pytest.mark.parametrize("where", ["before_forward", "in_loss", "after_update"])
+@pytest.mark.parametrize("where", ["before_forward", "in_loss"])
 def test_path_change_at_one_step_falls_back_then_coexecutes(where):
     outcome = assert_same_as_eager(
         path_change_program(where), STEPS, expect_fallbacks=(1, 2), max_traces=4
@@ -59,6 +59,15 @@ def test_path_change_at_one_step_falls_back_then_coexecutes(where):
     assert outcome.stats.coexecuted > after.coexecuted, (
         f"co-execution did not resume after the fallback\n{outcome.report()}"
     )
+
+
+def test_extra_op_after_the_update_ends_the_iteration_without_fallback():
+    # what the graph ran ahead of the extra op (the recorded metric: a Max, fetched) changes
+    # nothing, so the iteration ends where Python left its path; the next one co-executes
+    outcome = assert_same_as_eager(path_change_program("after_update"), STEPS)
+    assert outcome.stats.coexecuted >= STEPS - 4, outcome.report()
+    changed = outcome.stats_at(f"step{CHANGED_STEP + 1}")
+    assert changed.coexecuted > outcome.stats_at(f"step{CHANGED_STEP}").coexecuted
 
 
 def test_extra_op_between_iterations_runs_eagerly_without_fallback():

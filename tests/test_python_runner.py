@@ -16,7 +16,7 @@ from test_graph_builder import trace
 from test_tracegraph import F32, HERE, at, ext, op, op_at
 
 from terra import fallback
-from terra.divergence import Divergence, GraphFailed, PathEnded
+from terra.divergence import Divergence, GraphFailed, OffPath, PathEnded
 from terra.graph_builder import generate
 from terra.graph_runner import GraphRunner, Job, Watchdog
 from terra.location import Sites
@@ -152,7 +152,7 @@ def test_each_iteration_reads_its_own_values(straight):
 
 
 @pytest.mark.parametrize("case, kind, category, message", [
-    ("another op", Divergence, "new op", "expected Neg, got Abs"),
+    ("another op", OffPath, "new op", "expected Neg, got Abs"),
     ("an external input where a node was", Divergence, "new producer", "new producer"),
     ("a new shape", Divergence, "shape change", "changed shape"),
     ("a new dtype", Divergence, "shape change", "changed dtype"),
@@ -230,7 +230,7 @@ def test_an_op_no_trace_had_at_a_branch_point_is_a_new_branch(branching):
     y = h.fast("Neg", x_of(1.0))
     with pytest.raises(Divergence) as raised:
         h.fast("Log", y)
-    assert type(raised.value) is Divergence and raised.value.category == "new op"
+    assert type(raised.value) is OffPath and raised.value.category == "new op"
     assert raised.value.reason.startswith("new branch: Log where the recorded iterations "
                                           "had Abs, Square"), raised.value.reason
 
@@ -256,6 +256,35 @@ def test_an_op_run_in_python_returns_its_real_value_and_feeds_it(threads):
                                np.exp(np.full((4, 3), 3.0)), rtol=1e-6)
     assert [type(logged).__name__ for logged in it.log] == \
         ["LoggedPythonOp", "LoggedOp", "LoggedOp"]
+
+
+def test_an_iteration_ends_before_steps_without_effects_and_drops_their_values(straight):
+    """An op off the path where the graph has only side-effect-free work left (``Abs``, then
+    ``Exp`` fetched for Python): the iteration may end there. The graph's ``Exp`` value,
+    computed ahead, is taken unread, so the next iteration reads its own."""
+    h = straight
+    h.begin()
+    y = h.fast("Neg", x_of(1.0))
+    rest = h.runner.rest_without_effects()
+    assert [(step.op_type, i) for step, i in rest] == [("Neg", 0), ("Abs", 0), ("Exp", 0)]
+    with pytest.raises(OffPath) as raised:
+        h.fast("Log", y)
+    assert h.runner.may_end_before(raised.value)
+    h.runner.end_path()
+    del y, raised  # the traceback holds the op's inputs
+    assert h.runner.finish() == [] and h.fallbacks == []
+    h.begin()
+    w = h.fast("Exp", h.fast("Abs", h.fast("Neg", x_of(3.0))))
+    np.testing.assert_allclose(real_numpy(h.runner.value_of(h.entry(w))),
+                               np.exp(np.full((4, 3), 3.0)), rtol=1e-6)
+
+
+def test_an_iteration_does_not_end_before_a_step_the_graph_feeds_from_python(threads):
+    # Neg runs in Python and the graph reads its output: the graph waits for it
+    h = Harness(threads, python_neg_trace(1.0), python_neg_trace(2.0))
+    h.begin()
+    assert h.runner.rest_without_effects() is None
+    assert h.runner.may_end_before(OffPath("expected Neg, got Log")) is False
 
 
 def test_materializing_a_value_the_graph_does_not_return_replays_the_prefix(straight):
