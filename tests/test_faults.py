@@ -31,7 +31,7 @@ from tensorflow.python import pywrap_tfe
 from tiny_models import batch, classification_data, mlp, mlp_loop, mlp_task, sparse_xent, state
 
 import terra
-from terra import graph_runner
+from terra import graph_builder, graph_runner
 
 CHILD_TIMEOUT = 240  # seconds a child may take before the test fails as a hang
 STEPS, FAULT_STEP = 8, 5  # warm-up 1 + ~2 traces + generation: FAULT_STEP is co-executed
@@ -207,16 +207,23 @@ def child_interrupt_generation_raises():
 
 
 def child_interrupt_during_generation():
-    """A real SIGINT that arrives while the graph is being generated."""
-    original = terra.lifecycle.generate
+    """A real SIGINT that arrives while the graph is being generated: sent to the process
+    from inside generation (its first pass), so it arrives there whatever the machine's
+    speed; Python raises it in the main thread at its next instruction."""
+    original = graph_builder.plan_steps
 
-    def slow_generate(*args, **kwargs):
-        terra.lifecycle.generate = original
-        _interrupt_after(0.02)
+    def interrupted_pass(*args, **kwargs):
+        graph_builder.plan_steps = original
+        seen_by_pass["generating"] = True
+        os.kill(os.getpid(), signal.SIGINT)
         return original(*args, **kwargs)
 
+    seen_by_pass = {}
+
     def prepare(seen):
-        terra.lifecycle.generate = slow_generate
+        graph_builder.plan_steps = interrupted_pass
+        seen_by_pass.clear()
+        seen["generating"] = seen_by_pass  # filled if generation began
 
     seen = _interrupted_run(None, prepare)
     seen["phase_at_fault"] = "generation"

@@ -154,7 +154,9 @@ def test_keras3_fit_run_eagerly_coexecutes(program):
 @pytest.mark.parametrize("program", [keras_fit, keras_fit_validation,
                                      keras_fit_dataset_of_unknown_length])
 def test_tf_keras_fit_run_eagerly_coexecutes(program):
-    outcome = assert_same_as_eager(program, 12, env=LEGACY, min_coexecuted=8)
+    # a third trace where tf_keras' next batch gets a second site (a new frame with a
+    # returned one's id: architecture.md, "Executed locations of a caller's new activation")
+    outcome = assert_same_as_eager(program, 12, env=LEGACY, min_coexecuted=7, max_traces=3)
     assert outcome.keras.startswith("tf_keras"), outcome.keras
 
 
