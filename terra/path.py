@@ -1,12 +1,14 @@
 """Following the plan's path where it branches: which successor of a branch point an op
-takes (section 3.11), whether a loop's trip count is why an iteration left the path, and
-which library regions the runner may skip whole (section 3.15).
+takes (section 3.11), whether a loop's trip count is why an iteration left the path, which
+library regions the runner may skip whole (section 3.15), and whether the rest of a path has
+no effects, so an iteration may end before it (section 4).
 
 The PythonRunner follows a path of single successors itself; these are the rarer choices,
 pure functions of the successors, the op being matched, the iteration's log of matched
 steps and the executed location (``terra.location.Sites``) of the op being issued.
 """
 
+from terra import opdefs
 from terra.divergence import OffPath, PathEnded
 from terra.nodes import NodeKind, SlotKind
 
@@ -94,3 +96,49 @@ def _settled(slot):
     constant of the traces, or an external value fed earlier in the iteration; not one
     Python feeds here."""
     return slot.kind is not SlotKind.FEED and slot.kind is not SlotKind.RESOURCE
+
+
+def rest_without_effects(cur):
+    """The edges ``(step, successor index)`` from ``cur`` (the last matched step) to the
+    path's end if the graph may end the iteration without the steps on them, None otherwise:
+    ops that change nothing the next iteration sees and wait for nothing from Python.
+    Those are ops Python runs itself (an iterator's ``get_next``) whose outputs the graph
+    does not read, and graph ops that only compute or read variables (a counter read
+    back for Python) with no fed input; past a branch point, Python-run ops alone (then
+    whichever branch the graph is told to take runs none of the graph's ops).
+
+    Then the state the graph leaves is eager's at this point, so an op that leaves the
+    path here (Keras ending an epoch where the traces drew the next batch) may close
+    the iteration instead of falling back (``Runtime.handle``): the values the graph
+    computed ahead are dropped unread, and nothing is replayed or traced."""
+    edges = []
+    while None not in cur.next:
+        if len(cur.next) > 1 and not all(_python_to_end(s) for s in cur.next):
+            return None
+        step = cur.next[0]
+        if step.kind is not NodeKind.OP or step.looped or (
+                any(channel is not None for channel in step.out_feed) if step.python else
+                not opdefs.info(step.op_type).effect_free or
+                any(channel is not None for channel in step.feed)):
+            return None
+        edges.append((cur, 0))
+        cur = step
+    edges.append((cur, cur.next.index(None)))
+    return edges
+
+
+def _python_to_end(step):
+    """Whether every path from ``step`` to the iteration's end has only ops Python runs
+    itself, none of whose outputs the graph reads (a branch point's successors that
+    :func:`rest_without_effects` may pass)."""
+    todo, seen = [step], set()
+    while todo:
+        s = todo.pop()
+        if s is None or s in seen:
+            continue
+        seen.add(s)
+        if s.kind is not NodeKind.OP or not s.python or s.looped or \
+                any(channel is not None for channel in s.out_feed):
+            return False
+        todo.extend(s.next)
+    return True

@@ -146,32 +146,9 @@ class PythonRunner:
         return None in self.cur.next
 
     def rest_without_effects(self):
-        """The edges ``(step, successor index)`` from the last matched step to the path's
-        end if the graph may end the iteration without the steps on them, None otherwise:
-        ops that change nothing the next iteration sees and wait for nothing from Python.
-        Those are ops Python runs itself (an iterator's ``get_next``) whose outputs the graph
-        does not read, and graph ops that only compute or read variables (a counter read
-        back for Python) with no fed input; past a branch point, Python-run ops alone (then
-        whichever branch the graph is told to take runs none of the graph's ops).
-
-        Then the state the graph leaves is eager's at this point, so an op that leaves the
-        path here (Keras ending an epoch where the traces drew the next batch) may close
-        the iteration instead of falling back (``Runtime.handle``): the values the graph
-        computed ahead are dropped unread, and nothing is replayed or traced."""
-        cur, edges = self.cur, []
-        while None not in cur.next:
-            if len(cur.next) > 1 and not all(_python_to_end(s) for s in cur.next):
-                return None
-            step = cur.next[0]
-            if step.kind is not _OP or step.looped or (
-                    any(channel is not None for channel in step.out_feed) if step.python else
-                    not opdefs.info(step.op_type).effect_free or
-                    any(channel is not None for channel in step.feed)):
-                return None
-            edges.append((cur, 0))
-            cur = step
-        edges.append((cur, cur.next.index(None)))
-        return edges
+        """``path.rest_without_effects`` from the last matched step: the edges to the path's
+        end if the iteration may end here, else None."""
+        return path.rest_without_effects(self.cur)
 
     def may_end_before(self, why) -> bool:
         """Whether the op being issued, which left the path (``why``) before its step was
@@ -528,23 +505,6 @@ class PythonRunner:
         """Forget the entries of ``it`` whose stand-ins Python has dropped; return the others
         (``escapes.sweep``)."""
         return escapes.sweep(it, self.tensors)
-
-
-def _python_to_end(step):
-    """Whether every path from ``step`` to the iteration's end has only ops Python runs
-    itself, none of whose outputs the graph reads (a branch point's successors that
-    :meth:`PythonRunner.rest_without_effects` may pass)."""
-    todo, seen = [step], set()
-    while todo:
-        s = todo.pop()
-        if s is None or s in seen:
-            continue
-        seen.add(s)
-        if s.kind is not _OP or not s.python or s.looped or \
-                any(channel is not None for channel in s.out_feed):
-            return False
-        todo.extend(s.next)
-    return True
 
 
 # Where the runner is once an iteration has ended at a branch point or before its path's end:
