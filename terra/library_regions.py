@@ -6,7 +6,7 @@ dozen ops each, every step, although the graph already holds all those ops and P
 looks at their values. A call into the update of a library's own optimizer is therefore
 recorded between two tape marks, ``call`` (its tensor arguments as inputs) and ``return``;
 where the plan runs the ops between them straight through (no branch point, nothing Python
-feeds, fetches or runs, ``plan.skippable``), the PythonRunner matches the ``call`` mark and
+feeds, fetches or runs, ``path.skippable``), the PythonRunner matches the ``call`` mark and
 moves past the region without running the method at all (``PythonRunner.library_call``).
 
 Skipping Python is only right if the Python would have issued the same ops with the same
@@ -173,8 +173,10 @@ class LibraryRegions:
         state = self._states.get(opt)
         if state is None:
             state = self._states[opt] = _State()
-        if state.off is None:
-            state.off = _ineligible(opt, region)
+        if state.off is None and state.last is None:  # its first call: is it a region?
+            why = _ineligible(opt, region)
+            if why is not None:
+                self._off(opt, state, why)
         before = attributes(opt)
         if state.off is None and state.last is not None and before != state.last:
             self._off(opt, state, "its Python attributes changed between two calls: "
@@ -219,7 +221,8 @@ def _ineligible(opt, region):
     cls = type(opt)
     module = cls.__module__
     if not module.startswith(region.family) or module.startswith(region.excluded):
-        return f"{cls.__module__}.{cls.__qualname__} is not {region.family[:-1]}'s own class"
+        library = region.family.split(".")[0]
+        return f"{cls.__module__}.{cls.__qualname__} is not {library}'s own class"
     schedule = getattr(opt, "_learning_rate", None)
     if callable(schedule) and not hasattr(schedule, "handle") and \
             not type(schedule).__module__.startswith(region.family):

@@ -71,6 +71,7 @@ def test_user_subclass_keeps_the_per_op_path():
     outcome = assert_same_as_eager(lambda t, s: _loop(t, s, _CountingAdam(1e-2)), steps=12,
                                    expect_fallbacks=(0, None), max_traces=4)
     assert _skipped(outcome) == 0, outcome.report()
+    assert "_CountingAdam is not keras's own class" in outcome.explain, outcome.explain
 
 
 class _StepSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
