@@ -74,7 +74,8 @@ def _terra_report() -> dict:
     import terra
 
     stats = terra.stats()
-    fields = ("iterations", "traces", "fallbacks", "graph_generations", "coexecuted", "phase")
+    fields = ("iterations", "traces", "fallbacks", "graph_generations", "coexecuted",
+              "skipped_calls", "phase")
     try:
         explain = str(terra.explain())
     except Exception as error:  # the report must not hide the run's own outcome
