@@ -148,15 +148,11 @@ class LibraryRegions:
             return original(opt, *args, **kwargs)
         state, before, attrs, tensors = guard
         if rt.phase == "coexecution" and rt.runner.it is not None:
-            try:
-                if rt.runner.library_call(attrs, tensors, pywrap_tfe.TFE_Py_TapeSetIsStopped()):
-                    self.skipped += 1
-                    return region.returns(opt) if region.returns else None
-            except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
-                # left co-execution; a graph error the replay reproduced is raised here, as
-                # at the op that raised it
-                if rt.handle(why):  # the replay ran the skipped region
-                    return region.returns(opt) if region.returns else None
+            stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+            # True: skipped (or run by the replay of a fallback); False: the per-op path
+            if rt.marks.coexec(lambda: rt.runner.library_call(attrs, tensors, stopped)):
+                self.skipped += 1
+                return region.returns(opt) if region.returns else None
         if rt.phase == "tracing":
             rt.recorder.mark("call", attrs, tensors)
         result = original(opt, *args, **kwargs)
@@ -200,13 +196,9 @@ class LibraryRegions:
 
     def _return(self, rt, attrs):
         """The region's end: matched in co-execution (the per-op path), recorded in a trace."""
-        if rt.phase == "coexecution" and rt.runner.it is not None:
-            try:
-                rt.runner.mark("return", attrs, (), None)
-                return
-            except Exception as why:  # noqa: BLE001 - as above
-                if rt.handle(why):
-                    return
+        if rt.phase == "coexecution" and rt.runner.it is not None and \
+                rt.marks.coexec(lambda: rt.runner.mark("return", attrs, (), None)):
+            return
         if rt.phase == "tracing":
             rt.recorder.mark("return", attrs)
 

@@ -33,7 +33,7 @@ class TapeMarks:
             rt.next_iteration()
         rt.open_tapes.append(tape)
         attrs = tape.mark_attrs
-        if rt.phase == "coexecution" and self._coexec(
+        if rt.phase == "coexecution" and self.coexec(
                 lambda: rt.runner.mark("enter", attrs, (), tape)):
             return
         tape.enter_real()
@@ -46,7 +46,7 @@ class TapeMarks:
             rt.leave(Divergence("exception raised by user code", "user exception"))
         if failed and rt.recorder is not None:
             rt.recorder.aborted = True  # an iteration that raised is never merged
-        if not (rt.phase == "coexecution" and self._coexec(
+        if not (rt.phase == "coexecution" and self.coexec(
                 lambda: rt.runner.mark("exit", tape.mark_attrs, (), tape))):
             tape.exit_real()
             if rt.phase == "tracing":
@@ -58,7 +58,7 @@ class TapeMarks:
         # which would leave the variable itself unwatched)
         rt = self.runtime
         handles = [handle_or_self(t) for t in tensors]
-        if rt.phase == "coexecution" and self._coexec(
+        if rt.phase == "coexecution" and self.coexec(
                 lambda: rt.runner.mark("watch", tape.mark_attrs, handles, tape)):
             return
         handles = [rt.tracing_door.real(t) if type(t) is _EagerTensor else t for t in handles]
@@ -74,7 +74,7 @@ class TapeMarks:
         if rt.phase == "coexecution":
             tensors = grad_tensors(target, sources, output_gradients)
             extra = (tape, target, sources, output_gradients, unconnected)
-            flat = self._coexec(lambda: rt.runner.gradient(attrs, tensors, extra))
+            flat = self.coexec(lambda: rt.runner.gradient(attrs, tensors, extra))
             if flat is not None:
                 return nest.pack_sequence_as(sources, flat)
         if rt.phase != "tracing":
@@ -100,9 +100,10 @@ class TapeMarks:
         return nest.map_structure(
             lambda x: real(x) if type(x) is _EagerTensor else x, structure)
 
-    def _coexec(self, fn):
-        """Run a PythonRunner step (a tape mark, a gradient call); if it diverges, fall back
-        and return None (the caller runs it for real), unless the replay already ran it."""
+    def coexec(self, fn):
+        """Run a PythonRunner step (a tape mark, a gradient call, a library call: also
+        ``terra.library_regions``'s); if it diverges, fall back and return None (the caller
+        runs it for real), unless the replay already ran it."""
         try:
             result = fn()
             return True if result is None else result

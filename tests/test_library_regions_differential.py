@@ -11,7 +11,8 @@ from differential import assert_same_as_eager, record_stats
 from tiny_models import batch, mlp_task, state
 
 
-def _loop(tape_cls, steps, optimizer=None, before_step=None, apply="apply_gradients"):
+def _loop(tape_cls, steps, optimizer=None, before_step=None, apply="apply_gradients",
+          after_update=None):
     data, model, optimizer, loss_fn = mlp_task(steps, optimizer)
     losses = []
     for step in range(steps):
@@ -25,6 +26,8 @@ def _loop(tape_cls, steps, optimizer=None, before_step=None, apply="apply_gradie
             optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         else:
             optimizer.apply(grads, model.trainable_variables)
+        if after_update is not None:
+            after_update(step, model)
         losses.append(float(loss))
     return {"losses": losses, **state(model, optimizer)}
 
@@ -113,19 +116,14 @@ def test_fallback_after_a_skipped_update_replays_it():
     """A new op after the update in a co-executed step: the fallback replays the skipped
     update from the plan, and every variable (slots, iteration counter) is eager's."""
     def program(tape_cls, steps):
-        data, model, optimizer, loss_fn = mlp_task(steps)
-        out = {"losses": [], "extra": []}
-        for step in range(steps):
-            x, y = batch(data, step, 16)
-            with tape_cls() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        extra = []
+
+        def after_update(step, model):
             w = model.trainable_variables[0]
             # an op after the update every step; at step 8 another one, mid-iteration
-            out["extra"].append(float(tf.reduce_max(w) if step == 8 else tf.reduce_sum(w)))
-            out["losses"].append(float(loss))
-        return {**out, **state(model, optimizer)}
+            extra.append(float(tf.reduce_max(w) if step == 8 else tf.reduce_sum(w)))
+
+        return {**_loop(tape_cls, steps, after_update=after_update), "extra": extra}
 
     outcome = assert_same_as_eager(program, steps=12, expect_fallbacks=1, max_traces=4)
     assert _skipped(outcome) > 0, outcome.report()
