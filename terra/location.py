@@ -23,6 +23,7 @@ around the stack taken together. docs/architecture.md §3.10 has the measurement
 
 import functools
 import importlib.util
+import inspect
 import os
 import sys
 import sysconfig
@@ -39,6 +40,10 @@ class Location(NamedTuple):
 
 
 Site = tuple[int, int]  # (interned call stack, occurrence in the iteration)
+
+# a frame of such code can be suspended, and resumed from another caller
+_RESUMABLE = (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+              | inspect.CO_ITERABLE_COROUTINE)
 
 
 def _package_dirs(*names):
@@ -97,17 +102,37 @@ def user_location(frame=None) -> Location | None:
 
 class Sites:
     """The executed locations of one runtime: the interned call stacks (shared by all its
-    traces, so sites compare across iterations) and this iteration's occurrence counts."""
+    traces, so sites compare across iterations) and this iteration's occurrence counts.
+
+    A call stack is interned frame by frame, outermost first, as a path in a trie: (the
+    stack above, code object, instruction offset) -> a small integer. An op is located (its
+    user's line and its stack) by walking up only to the deepest frame of the last stack
+    walked that is still running: a plain function's frame that was on the stack then and
+    is now has run all along, so the frames above it are suspended in the same calls and
+    their part of the stack and of the user's line is the one found then. (A generator's
+    frame can be resumed from elsewhere: it is walked past.) A deep library stack
+    (GPflow's, 30 to 60 frames an op) costs a frame or two an op instead of all of them.
+    The last stack's frames are held until the next walk, and let go between iterations
+    (:meth:`release`), so that no tensor outlives its iteration because of them."""
+
+    _ROOT = -1
 
     def __init__(self):
-        self._stacks: dict[tuple, int] = {}
-        self._codes = set()
+        self._nodes: dict[tuple, int] = {}  # (node above, id(code), offset) -> node
+        # id(code) -> (code, internal, library, resumable): the code is kept alive, so its
+        # id stays its own (a code object's own hash digests its bytecode: slow)
+        self._codes: dict[int, tuple] = {}
         self._anchor = frozenset()
         self._counts: dict[int, int] = {}
+        # the last stack walked, outermost first: (frame, node above it, user's location
+        # above it), and id(frame) -> its index (the frames are held: the ids are theirs)
+        self._chain: list[tuple] = []
+        self._at: dict[int, int] = {}
 
     def begin_iteration(self):
         """Called from the outermost tape's ``__enter__``: the frames above the one entering
         it run the training loop, so a stack stops at the first of them."""
+        self.release()
         f = sys._getframe(1)
         while f is not None and _is_internal(f.f_code.co_filename):
             f = f.f_back
@@ -119,38 +144,71 @@ class Sites:
         self._anchor = frozenset(anchor)
         self._counts = {}
 
-    def stack(self, frame=None) -> int:
-        """The interned call stack of the op being issued now."""
+    def release(self):
+        """Let go of the frames of the last stack walked (and the locals they hold)."""
+        self._chain.clear()
+        self._at.clear()
+
+    def _code(self, code) -> tuple:
+        info = self._codes.get(id(code))
+        if info is None:
+            name = code.co_filename
+            info = self._codes[id(code)] = (code, _is_internal(name), _is_library(name),
+                                            bool(code.co_flags & _RESUMABLE))
+        return info
+
+    def locate(self, frame=None) -> tuple[Location | None, int]:
+        """(the user's location, the interned call stack) of the op being issued now."""
         f = frame or sys._getframe(1)
-        while f is not None and _is_internal(f.f_code.co_filename):
+        code_info = self._code
+        while f is not None and code_info(f.f_code)[1]:
             f = f.f_back
-        anchor = self._anchor
-        parts = []
-        append = parts.append
+        chain, at, anchor = self._chain, self._at, self._anchor
+        new = []  # the frames not known to be as they were, innermost first
         while f is not None:
-            code = f.f_code
-            append(id(code))  # a code object's own hash digests its bytecode: slow
-            append(f.f_lasti)
+            i = at.get(id(f))
+            if i is not None and not code_info(f.f_code)[3]:
+                break  # running since the last walk: the frames above are as they were
+            new.append(f)
             if id(f) in anchor:
+                f = None
                 break
             f = f.f_back
-        key = tuple(parts)
-        sid = self._stacks.get(key)
-        if sid is None:
-            sid = self._stacks[key] = len(self._stacks)
-            g = frame or sys._getframe(1)
-            while g is not f:  # keep the code objects alive, so their ids stay theirs
-                self._codes.add(g.f_code)
-                g = g.f_back
-            self._codes.add(code)
-        return sid
+        if f is None:  # nothing of the last stack is still running
+            self.release()
+            node, loc = self._ROOT, None
+            top = new[-1].f_back if new else None
+            if top is not None:  # the user's line may be above the loop (Keras' fit)
+                loc = user_location(top)
+        else:  # the frame at i is walked again: its offset may have moved on
+            for g, *_ in chain[i + 1:]:
+                del at[id(g)]
+            del chain[i + 1:]
+            _, node, loc = chain.pop()
+            new.append(f)
+        nodes = self._nodes
+        for g in reversed(new):
+            at[id(g)] = len(chain)
+            chain.append((g, node, loc))
+            code = g.f_code
+            key = (node, id(code), g.f_lasti)
+            node = nodes.get(key)
+            if node is None:
+                node = nodes[key] = len(nodes)
+            if not code_info(code)[2]:
+                loc = Location(code.co_filename, g.f_lineno, code.co_name)
+        return loc, node
 
-    def here(self) -> Site:
-        """The site of the op being issued now; counts it."""
-        sid = self.stack(sys._getframe(1))
+    def stack(self, frame=None) -> int:
+        """The interned call stack of the op being issued now."""
+        return self.locate(frame or sys._getframe(1))[1]
+
+    def here(self) -> tuple[Location | None, Site]:
+        """The user's location and the site of the op being issued now; counts it."""
+        loc, sid = self.locate(sys._getframe(1))
         n = self._counts.get(sid, 0)
         self._counts[sid] = n + 1
-        return (sid, n)
+        return loc, (sid, n)
 
     def note(self, site: Site):
         """An op of this iteration recorded with a known site (a replayed one): count it."""

@@ -179,6 +179,7 @@ class Runtime:
     def _close_iteration(self):
         """The whole path was matched: sweep the iteration's stand-ins (falling back if one
         that Python still holds has no value the graph returns) and count it."""
+        self.sites.release()  # the frames of the last stack walked hold stand-ins
         try:
             self.runner.end_path()
         except GraphFailed as why:  # the replay raises the error at the user's line

@@ -35,7 +35,7 @@ from tensorflow.python.framework import dtypes
 
 from terra import opdefs
 from terra.config import config
-from terra.location import Sites, user_location
+from terra.location import Sites
 from terra.nodes import (
     ONCE_CONST,
     SMALL_CONST,
@@ -140,8 +140,8 @@ class Recorder:
         if self.region_site is not None:
             # TF orders a backward pass by a hash of op ids: only the region as a whole
             # has a location (the region is matched as a whole, whatever its order)
-            return user_location(), self.region_site
-        return user_location(), self.sites.here()
+            return self.sites.locate()[0], self.region_site
+        return self.sites.here()
 
     def record_op(self, op_type, inputs, attrs, outputs):
         op_type = opdefs.op_name(op_type)
@@ -288,6 +288,7 @@ class Recorder:
     # -- iteration end ------------------------------------------------------------------
     def finish(self):
         """Note which recorded outputs are still referenced (they outlive the iteration)."""
+        self.sites.release()  # the frames of the last op's stack hold tensors
         for entry in self.tensors.values():
             if isinstance(entry, TracedValue) and entry.ref() is not None:
                 entry.record.escaped.add(entry.out)

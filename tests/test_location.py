@@ -1,0 +1,122 @@
+"""Sites: the interned call stack of an op is the whole stack's, whatever part of it the walk
+reuses from the last one; the user's location is the innermost frame outside the libraries."""
+
+import gc
+import sys
+import weakref
+
+from terra.location import Sites
+
+
+def full_stack(anchor_frame):
+    """The reference: every frame from the caller's caller up to and including
+    ``anchor_frame``, as (code, instruction offset)."""
+    f, parts = sys._getframe(2), []
+    while f is not None:
+        parts.append((f.f_code, f.f_lasti))
+        if f is anchor_frame:
+            break
+        f = f.f_back
+    return tuple(parts)
+
+
+class Probe:
+    """Locates from the function that calls :meth:`here`, and keeps the reference beside."""
+
+    def __init__(self):
+        self.sites = Sites()
+        self.seen = []  # (location, sid, reference stack)
+        self.anchor = None
+
+    def begin(self):
+        self.anchor = sys._getframe(2)  # what Sites.begin_iteration anchors on
+        self.sites.begin_iteration()
+
+    def here(self):
+        loc, sid = self.sites.locate(sys._getframe(1))
+        self.seen.append((loc, sid, full_stack(self.anchor)))
+        return loc
+
+
+def assert_interned_alike(seen):
+    """Two ops share a sid exactly when their whole stacks are the same."""
+    by_sid, by_stack = {}, {}
+    for _, sid, stack in seen:
+        assert by_sid.setdefault(sid, stack) == stack
+        assert by_stack.setdefault(stack, sid) == sid
+
+
+def test_helpers_loops_generators_and_recursion_intern_like_the_whole_stack():
+    probe = Probe()
+
+    def helper():
+        probe.here()
+        probe.here()
+
+    def gen():
+        while True:
+            probe.here()
+            yield
+
+    def recurse(n):
+        probe.here()
+        if n:
+            recurse(n - 1)
+
+    def step(g):
+        probe.begin()
+        helper()
+        helper()  # another line: another stack
+        for _ in range(3):
+            probe.here()  # one line, one stack, however many trips
+        next(g)  # the generator resumed from two lines of two frames
+        inner_next(g)
+        next(g)
+        recurse(3)
+
+    def inner_next(g):
+        next(g)
+
+    g = gen()
+    for _ in range(3):
+        step(g)
+    assert_interned_alike(probe.seen)
+    sids = {sid for _, sid, _ in probe.seen}
+    stacks = {stack for _, _, stack in probe.seen}
+    assert len(sids) == len(stacks) >= 12
+
+
+def test_the_users_line_is_the_innermost_frame_outside_the_libraries():
+    probe = Probe()
+
+    def step():
+        probe.begin()
+        first = probe.here()
+        return first, [probe.here() for _ in range(2)]
+
+    first, (second, third) = step()
+    assert first.file == __file__ and first.func == "step"
+    assert second.func == "<listcomp>" and second.line == third.line != first.line
+
+
+def test_release_lets_go_of_the_last_stacks_locals():
+    probe = Probe()
+
+    class Big:
+        pass
+
+    def issue():
+        big = Big()
+        probe.here()
+        return weakref.ref(big)
+
+    def step():
+        probe.begin()
+        return issue()
+
+    ref = step()
+    gc.collect()
+    assert ref() is not None  # the frame of the last op is held until the next walk
+    probe.sites.release()
+    gc.collect()
+    assert ref() is None
