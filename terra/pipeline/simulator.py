@@ -106,26 +106,30 @@ def simulate(schedule: Schedule, forward=1, backward=2, weight=None) -> Simulati
         busy[d] += end - start
     idle = sum(makespan - b for b in busy)
     ratio = idle / (makespan * schedule.devices) if makespan else Fraction(0)
-    return Simulation(makespan, ratio, _peaks(schedule, timeline), tuple(busy),
-                      tuple(sorted(timeline, key=lambda row: (row[2], row[0]))))
-
-
-def _peaks(schedule: Schedule, timeline) -> tuple[Fraction, ...]:
-    """Replay saves and frees in time order; at equal times frees go first, as memory would."""
     share = Fraction(1, schedule.chunks)
+    return Simulation(makespan, ratio, peak_held(schedule, timeline, lambda op: share),
+                      tuple(busy), tuple(sorted(timeline, key=lambda row: (row[2], row[0]))))
+
+
+def peak_held(schedule: Schedule, timeline, size, zero=Fraction(0)) -> tuple:
+    """The most each device held at once, ``size(op)`` being what ``op``'s micro-batch saves
+    on its stage (a share of a micro-batch here, bytes in the TensorFlow runner).
+
+    Replays saves and frees in time order; at equal times frees go first, as memory would.
+    """
     releaser = "W" if schedule.split_backward else "B"
     changes = []
     for seq, (d, op, start, end) in enumerate(timeline):
         if op.kind == "F":
-            changes.append((start, seq, d, share))
+            changes.append((start, seq, d, size(op)))
         elif op.kind == releaser:
-            changes.append((end, seq, d, -share))
+            changes.append((end, seq, d, -size(op)))
         elif op.kind in TRANSFER:
             peer = schedule.device_of(op.microbatch, op.peer)
-            moved = share if op.kind == "EVICT" else -share
+            moved = size(op) if op.kind == "EVICT" else -size(op)
             changes += [(start, seq, d, -moved), (start, seq, peer, moved)]
-    held = [Fraction(0)] * schedule.devices
-    peak = [Fraction(0)] * schedule.devices
+    held = [zero] * schedule.devices
+    peak = [zero] * schedule.devices
     for _time, _frees_first, _seq, d, delta in sorted((t, delta > 0, seq, d, delta)
                                                        for t, seq, d, delta in changes):
         held[d] += delta
