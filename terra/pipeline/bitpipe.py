@@ -58,13 +58,10 @@ def bitpipe(devices: int, microbatches: int) -> Schedule:
         if op.kind == "F" and op.stage == 0:
             unit, within = divmod(op.microbatch, devices)
             pipeline, index = divmod(within, devices // 2)
-            if unit:
-                previous = unit_entered.get((unit - 1, pipeline))
-                if previous is None:
-                    return None
-                slot = max(slot, previous)
-            slot = max(slot, 2 * index + (unit_entered.get((unit - 1, pipeline), 0)
-                                          if unit else 0))
+            if unit and (unit - 1, pipeline) not in unit_entered:
+                return None
+            entered = unit_entered[unit - 1, pipeline] if unit else 0
+            slot = max(slot, entered + 2 * index)
         return slot
 
     time, left = 0, sum(len(ops) for ops in pending)
@@ -84,13 +81,13 @@ def bitpipe(devices: int, microbatches: int) -> Schedule:
             order[d].append(op)
             busy_until[d] = finish[op.kind, op.microbatch, op.stage] = time + cost[op.kind]
             left -= 1
-            _note_entry(op, devices, finish, unit_entered, route)
+            _note_entry(op, devices, finish, unit_entered)
         time += 1
     return Schedule("bitpipe", devices, microbatches, 2, route,
                     tuple(tuple(ops) for ops in order))
 
 
-def _note_entry(op, devices, finish, unit_entered, route):
+def _note_entry(op, devices, finish, unit_entered):
     """Record when a unit's last micro-batch of a pipeline has run its first stage."""
     if op.kind != "F" or op.stage:
         return
