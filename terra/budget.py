@@ -12,18 +12,19 @@ fallback limits, ``Config.max_fallbacks_in_a_row``.)
 
 The first graph is built at once unless the traces predict it would not pay for itself soon:
 a traced iteration tells how long its TF ops took to run (what co-execution moves to the graph
-thread) and how long recording took per op (Python work of the kind the skeleton does per op
-instead), so the saving per iteration is estimated before paying for the graph
-(:meth:`Ledger.first_graph`), and so is the graph's cost (per node). A first graph whose
-predicted saving is under ``Config.min_saving`` (5%) of an iteration, or would take more than
-``MAX_PAYBACK`` iterations to pay for the graph, waits: the program runs eagerly
-(``waiting``) until the budget of the run affords the graph's estimated cost, so a wrong
-estimate costs at most the budget. Over a short run such a program stays at eager's speed,
-over a long one it gets its graph. A TF-Agents DQN (a ~15 ms step, ~30% saved once
-co-executing, a graph and its traces worth ~40 of its steps, and a second graph for the path
-its target-network sync takes) waits; a Sonnet MLP (~70% saved, paid back in ~15 steps) does
-not. The estimates are rough (the cost two to three times high, the saving off by tens of
-percent either way on the corpus), hence the margins of the limits.
+thread) and how many ops the skeleton would issue (outside gradient and library regions), and
+the TraceGraph how many nodes the graph would have, so the saving per iteration and the
+graph's cost are estimated before paying for the graph (:meth:`Ledger.first_graph`). The
+skeleton's cost per op and generation's per node are constants measured on the corpus, in
+seconds on the machine they were measured on, scaled by this interpreter's speed
+(:func:`python_unit`, a fixed piece of Python timed once): not by the recorder's own speed,
+which changes whenever recording gets cheaper. A first graph whose predicted saving is under
+``Config.min_saving`` (5%) of an iteration, or would take more than ``MAX_PAYBACK``
+iterations to pay for the graph, waits: the program runs eagerly (``waiting``) until the
+budget of the run affords the graph's estimated cost, so a wrong estimate costs at most the
+budget. The first trace already tells: a graph it predicts to wait is not traced a second
+time (a trace costs two to three eager iterations of a small step). Over a short run such a
+program stays at eager's speed, over a long one it gets its graph.
 
 Nothing tells in advance whether a program will settle, and the next graphs are built if the
 last one was cheap (``Config.free_rebuilds``, each costing at most 20 eager iterations: a late
@@ -39,7 +40,42 @@ row means the path changed, and waits.
 """
 
 import dataclasses
+import functools
 import statistics
+import time
+
+# python_unit() on the machine the cost constants were measured on (a 2-core x86 CPU,
+# CPython 3.11)
+REFERENCE_UNIT = 0.136e-6
+
+
+class _Probe:
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _work(n):
+    table = {}
+    for i in range(n):
+        probe = _Probe((i, i + 1))
+        table[i] = probe
+        table.get(i - 1)
+        probe.value[0]  # noqa: B018 - an index, as the work Terra does per op
+
+
+@functools.cache
+def python_unit() -> float:
+    """Seconds this interpreter takes for a fixed piece of the kind of work Terra does per op
+    and per node (calls, an object, dict and attribute lookups, a small tuple): the best of
+    seven runs of ~30 us, measured once."""
+    best = float("inf")
+    for _ in range(7):
+        began = time.perf_counter()
+        _work(200)
+        best = min(best, time.perf_counter() - began)
+    return best / 200
 
 
 @dataclasses.dataclass
@@ -62,30 +98,34 @@ class Ledger:
     # iteration that fell back and the graph built again after it]
     sites: dict = dataclasses.field(default_factory=dict)
     _rebuild_for: str | None = None  # the site whose fallback the next generation follows
-    # per traced iteration: seconds in TF's eager execution of its ops (recording excluded),
-    # its op count, and the recorder's seconds per op
+    # per traced iteration: seconds in TF's eager execution of its ops (recording excluded)
+    # and the ops the skeleton would issue
     kernels: list = dataclasses.field(default_factory=list)
     ops: list = dataclasses.field(default_factory=list)
-    per_op: list = dataclasses.field(default_factory=list)
     min_saving: float = 0.05  # of an iteration: a first graph predicted to save less waits
+    # this interpreter's speed against the machine the constants below were measured on
+    scale: float = dataclasses.field(default_factory=lambda: python_unit() / REFERENCE_UNIT)
 
-    # Building a graph and instantiating it, per node, in recorder-seconds-per-op: measured
-    # 15-18 for generation (TF's graph building in Python, ~0.25 ms per node on a 2-core
-    # CPU) and about as much again for the instantiation beside the eager iterations.
-    BUILD_PER_NODE = 32
     # What co-execution costs the loop's thread per op it issues (the skeleton's matching,
-    # stand-ins, feeds and fetches, and the graph thread's share of 2 cores), in recording's
-    # seconds per op: 1.2-1.6 measured on the corpus (a co-executed step's time against an
-    # eager one's, less the TF ops' time, per op: TF-Agents' DQN, Sonnet's MLP, GPflow's GPR).
-    SKELETON_PER_OP = 1.25
+    # stand-ins, feeds and fetches, and the graph thread's share of 2 cores), in seconds:
+    # 4-18 us measured on the corpus (a co-executed step's time against an eager one's, less
+    # the TF ops' time, per op), 15 in the middle of most.
+    SKELETON_PER_OP = 15e-6
+    # Building a graph, per node, in seconds: a node the generator emits ~210 us (TF's graph
+    # building in Python: op creation, automatic control dependencies), a node of a gradient
+    # region ~50 us (TF's own gradient builds those); a quarter more for the instantiation
+    # beside the eager iterations. Fitted on ten corpus programs to 10-25%.
+    BUILD_PER_NODE = 260e-6
+    BUILD_PER_REGION_NODE = 60e-6
     # A first graph predicted to pay for itself later than this (in iterations) waits: built
     # at the third iteration and instantiated over the next few, it must have paid back well
-    # before the 30th for a 30-step run to end within 5% of eager. The estimate runs one and a
-    # half to three times high on the corpus (Sonnet's LSTM and GPflow's SVGP: predicted
-    # ~46, paid back in ~14), and TF-Agents' DQN (predicted 36-48, paid back in ~17) goes on
-    # to a second graph at its target network's first sync, which 40 steps do not earn back:
-    # those wait, and get their graph once the budget of a longer run affords it.
-    MAX_PAYBACK = 30
+    # before the 30th for a 30-step run to end within 5% of eager. On the corpus: Sonnet's
+    # MLP 13, GPflow's GPR 12-15 and SVGP ~20, TFP's BNN ~15 and MAF ~21 iterations;
+    # TF-Agents' DQN ~25 (paid back in ~17, but for the detour or second graph of its target
+    # network's sync every 5 steps, which 40 steps do not earn back) and Sonnet's LSTM ~38
+    # (paid back in ~14: its skeleton is cheaper than most) wait, and get their graph once
+    # the budget of a longer run affords it.
+    MAX_PAYBACK = 20
 
     def reference(self):
         """Eager's time for one iteration, or None before one ran plainly. A traced
@@ -123,38 +163,40 @@ class Ledger:
         else:
             self.spent += max(0.0, seconds - ref)
 
-    def profile(self, kernels: float, ops: int, per_op: float):
+    def profile(self, kernels: float, ops: int):
         """A traced iteration's make-up: ``kernels`` seconds in TF's execution of its ops,
-        ``ops`` of which the skeleton would issue, ``per_op`` seconds recording one op."""
+        ``ops`` of which the skeleton would issue."""
         if ops:
             self.kernels.append(kernels)
             self.ops.append(ops)
-            self.per_op.append(per_op)
 
     def saving(self) -> float | None:
         """Seconds per iteration co-execution would save, predicted from the traces: the
         TF ops' time leaves the loop's thread, the skeleton's per-op Python comes in."""
         if not self.kernels:
             return None
-        # the least over the traces: the first one pays for cold caches, the second is warm
-        per_op = min(self.per_op) * self.SKELETON_PER_OP
-        return min(self.kernels) - per_op * statistics.median(self.ops)
+        return min(self.kernels) - self._skeleton()
 
-    def build_cost(self, nodes: int) -> float:
-        """Seconds building and instantiating a graph of ``nodes`` nodes would cost."""
+    def _skeleton(self) -> float:
+        return self.SKELETON_PER_OP * self.scale * statistics.median(self.ops)
+
+    def build_cost(self, nodes: int, region_nodes: int = 0) -> float:
+        """Seconds building and instantiating a graph of ``nodes`` nodes (``region_nodes``
+        of them in gradient regions) would cost."""
         if self.last_generation:
             return 2 * self.last_generation
-        return self.BUILD_PER_NODE * min(self.per_op) * nodes
+        return self.scale * (self.BUILD_PER_NODE * (nodes - region_nodes)
+                             + self.BUILD_PER_REGION_NODE * region_nodes)
 
-    def first_graph(self, nodes: int) -> str | None:
-        """None if the first graph (of ``nodes`` nodes) is to be built now: its predicted
-        saving is at least ``min_saving`` of an iteration and pays for the graph within
-        ``MAX_PAYBACK`` iterations, or its cost fits the budget of the run so far; else why
-        not (for ``explain()``)."""
+    def first_graph(self, nodes: int, region_nodes: int = 0) -> str | None:
+        """None if the first graph (of ``nodes`` nodes, ``region_nodes`` in gradient
+        regions) is to be built now: its predicted saving is at least ``min_saving`` of an
+        iteration and pays for the graph within ``MAX_PAYBACK`` iterations, or its cost fits
+        the budget of the run so far; else why not (for ``explain()``)."""
         saving, ref = self.saving(), self.reference()
         if saving is None or ref is None or self.min_saving == float("-inf"):
             return None
-        cost = self.build_cost(nodes)
+        cost = self.build_cost(nodes, region_nodes)
         if saving >= self.min_saving * ref and cost <= self.MAX_PAYBACK * saving:
             return None
         if self.budget == float("inf") or \
@@ -164,7 +206,7 @@ class Ledger:
         after = (self.spent - self.saved + cost) / (self.budget * ref)
         return (f"co-execution would save ~{max(saving, 0.0) * 1e3:.1f} ms of a ~{ref * 1e3:.1f} "
                 f"ms iteration (its TF ops take ~{ms:.1f} ms; the skeleton would spend "
-                f"~{ms - saving * 1e3:.1f} ms on its {ops:.0f} ops), too little to pay for "
+                f"~{self._skeleton() * 1e3:.1f} ms on its {ops:.0f} ops), too little to pay for "
                 f"the graph (~{cost:.2f}s) within {self.MAX_PAYBACK} iterations: running "
                 f"eagerly, and building it once the budget affords it (after ~{after:.0f} "
                 "iterations)")

@@ -127,14 +127,24 @@ class GraphLifecycle:
             self._note("waiting", "building the graph again would cost more than the budget "
                        "affords now: running eagerly until it does (see the cost ledger)")
             return False
-        if not s.graph_generations:
-            why = self.ledger.first_graph(len(self.tracegraph.nodes))
-            if why is not None:
-                if not self._noted_first_wait:  # once: the reason is the same every time
-                    self._note("waiting", why)
-                    self._noted_first_wait = True
-                return False
-        return True
+        return not self.waits_for_first_graph()
+
+    def waits_for_first_graph(self) -> bool:
+        """Before the first graph: whether the traces so far predict it would not pay yet
+        (``Ledger.first_graph``), noted once (the reason is the same every time). Asked
+        after the first trace too: a graph it predicts to wait is not traced again."""
+        if self._stats.graph_generations:
+            return False
+        why = self.ledger.first_graph(*self._size())
+        if why is not None and not self._noted_first_wait:
+            self._note("waiting", why)
+            self._noted_first_wait = True
+        return why is not None
+
+    def _size(self):
+        """(nodes, nodes in gradient regions) of the TraceGraph: what a graph of it costs."""
+        nodes = self.tracegraph.nodes
+        return len(nodes), sum(1 for n in nodes if n.in_body)
 
     def may_build(self) -> bool:
         """While waiting: whether the run is now long enough for the budget to afford
@@ -142,7 +152,7 @@ class GraphLifecycle:
         generation's), so tracing starts again."""
         if self._stats.graph_generations:
             return self.ledger.affordable()
-        return self.ledger.first_graph(len(self.tracegraph.nodes)) is None
+        return self.ledger.first_graph(*self._size()) is None
 
     def _rebuild_allowed(self) -> bool:
         return self.ledger.rebuild_allowed(self._stats.graph_generations - 1,

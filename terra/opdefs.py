@@ -181,6 +181,25 @@ def normalize_attrs(op_type: str, flat) -> tuple:
     with every attr that has a default spelled out: an attr given as None or not given is at
     its default, and the same op issued either way (a replayed op spells out its defaults: a
     gradient function may read any attr) must normalize the same."""
+    try:
+        return _normalized[op_type, flat]
+    except KeyError:
+        pass
+    except TypeError:  # a list or a tensor among the values: not memoized
+        return _normalize(op_type, flat)
+    attrs = _normalize(op_type, flat)
+    if len(_normalized) < _MEMO_SIZE:
+        _normalized[op_type, flat] = attrs
+    return attrs
+
+
+# (op type, flat attrs as the op was issued) -> normalized: a training step issues the same
+# few hundred combinations every iteration
+_normalized: dict = {}
+_MEMO_SIZE = 1 << 14
+
+
+def _normalize(op_type: str, flat) -> tuple:
     types = info(op_type).attr_types
     pairs = dict(normalized_defaults(op_type))
     for i in range(0, len(flat or ()), 2):

@@ -228,6 +228,9 @@ class Runtime:
             covered = self.lifecycle.merge(rec)
             if covered is not None:
                 self.stats.traces += 1
+            if covered is False and self.lifecycle.waits_for_first_graph():
+                self.phase = "waiting"  # no second trace for a graph that would wait
+                return
             if not covered:
                 return
             if not self.lifecycle.should_generate(self.fallbacks_in_a_row):

@@ -114,6 +114,7 @@ class Recorder:
         self.sites = sites
         self.override = None  # replay: (location, site) of the original op
         self.region_site = None  # inside a gradient region: the site of its head
+        self.region_location = None  # ... and its user's line
         self.custom_gradients = 0  # tf.custom_gradient functions run (interception._record)
         self.broken = None  # Terra's own traceback if recording failed: the trace is dropped
         # seconds in the op callback, and in TF's execution of the ops recorded (the doors
@@ -140,7 +141,7 @@ class Recorder:
         if self.region_site is not None:
             # TF orders a backward pass by a hash of op ids: only the region as a whole
             # has a location (the region is matched as a whole, whatever its order)
-            return self.sites.locate()[0], self.region_site
+            return self.region_location, self.region_site
         return self.sites.here()
 
     def record_op(self, op_type, inputs, attrs, outputs):
@@ -210,11 +211,8 @@ class Recorder:
 
     def profile(self):
         """(seconds TF spent executing the recorded ops, ops the skeleton would issue: those
-        outside gradient and library regions, seconds recording took per op): the ledger's
-        prediction of what co-executing this iteration would save."""
-        ops = len(self.records)
-        if not ops:
-            return 0.0, 0, 0.0
+        outside gradient and library regions): the ledger's prediction of what co-executing
+        this iteration would save."""
         skipped = sum(r.body_len for r in self.records if r.kind is NodeKind.GRAD)
         call = None  # the index of an open library region's ``call`` mark
         for i, r in enumerate(self.records):
@@ -224,7 +222,7 @@ class Recorder:
                 elif call is not None:
                     skipped += i - call - 1
                     call = None
-        return self.executing - self.seconds, ops - skipped, self.seconds / ops
+        return self.executing - self.seconds, len(self.records) - skipped
 
     def swap(self, x):
         """A stand-in whose value is known -> that value (used when replaying)."""
@@ -246,7 +244,7 @@ class Recorder:
                        location, site=site)
         rec.after_custom = self.custom_gradients > 0
         self.records.append(rec)
-        self.region_site = site
+        self.region_site, self.region_location = site, location
         return len(self.records) - 1
 
     def end_grad(self, index, flat_results):

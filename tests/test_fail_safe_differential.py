@@ -397,51 +397,69 @@ def test_a_site_that_keeps_failing_runs_eagerly_while_other_iterations_coexecute
 
 
 def test_ledger_keeps_out_a_first_graph_predicted_to_save_next_to_nothing():
-    """The prediction from the traces: TF ops' time minus the skeleton's per op (in
-    recording's seconds per op). Under 5% of an iteration, or paying for the graph's
-    estimated cost (per node, in recording's seconds per op) only after ``MAX_PAYBACK``
-    iterations, the graph waits until the budget of the run affords it."""
+    """The prediction from the traces: TF ops' time minus the skeleton's per op. Under 5% of
+    an iteration, or paying for the graph's estimated cost (per node; a gradient region's
+    nodes cost less) only after ``MAX_PAYBACK`` iterations, the graph waits until the budget
+    of the run affords it. ``scale=1``: the constants' own machine."""
     from terra.budget import Ledger
 
-    heavy = Ledger(budget=0.05)
+    heavy = Ledger(budget=0.05, scale=1.0)
     heavy.iteration("eager", 0.060)
-    heavy.profile(kernels=0.050, ops=100, per_op=10e-6)  # 50 ms of ops, ~1 ms of skeleton
+    heavy.profile(kernels=0.050, ops=100)  # 50 ms of ops, 1.5 ms of skeleton
     assert heavy.first_graph(nodes=100) is None
 
-    modest = Ledger(budget=0.05)  # saves ~0.75 ms of 10 ms
+    modest = Ledger(budget=0.05, scale=1.0)  # saves 1 ms of 10 ms
     modest.iteration("eager", 0.010)
-    modest.profile(kernels=0.002, ops=100, per_op=10e-6)
-    assert modest.first_graph(nodes=60) is None  # a graph of 19 ms: paid in ~26 iterations
-    assert modest.first_graph(nodes=100) is not None  # 32 ms: ~43 iterations
-    why = modest.first_graph(nodes=1000)  # 0.32 s: ~427 iterations to pay for it
-    assert "within 30 iterations" in why and "after ~640" in why, why
-    for _ in range(638):
+    modest.profile(kernels=0.0025, ops=100)
+    assert modest.first_graph(nodes=60) is None  # a graph of 16 ms: paid in ~16 iterations
+    assert modest.first_graph(nodes=100) is not None  # 26 ms: ~26 iterations
+    assert modest.first_graph(nodes=100, region_nodes=100) is None  # 6 ms: TF's gradient
+    why = modest.first_graph(nodes=1000)  # 0.26 s: ~260 iterations to pay for it
+    assert "within 20 iterations" in why and "after ~520" in why, why
+    for _ in range(510):
         modest.iteration("eager", 0.010)
     assert modest.first_graph(nodes=1000) is not None
-    modest.iteration("eager", 0.010)  # 5% of 640 iterations of 10 ms affords 0.32 s
+    for _ in range(20):
+        modest.iteration("eager", 0.010)  # 5% of 531 iterations of 10 ms affords 0.26 s
     assert modest.first_graph(nodes=1000) is None
-    forced = Ledger(budget=0.05, min_saving=float("-inf"))  # whatever it predicts
+    forced = Ledger(budget=0.05, min_saving=float("-inf"), scale=1.0)  # whatever it predicts
     forced.iteration("eager", 0.010)
-    forced.profile(kernels=0.002, ops=400, per_op=10e-6)
+    forced.profile(kernels=0.002, ops=400)
     assert forced.first_graph(nodes=1000) is None
 
-    cheap = Ledger(budget=0.05)  # 2 ms of ops, ~5 ms of skeleton: nothing to save
+    cheap = Ledger(budget=0.05, scale=1.0)  # 2 ms of ops, 6 ms of skeleton: nothing to save
     cheap.iteration("eager", 0.010)
-    cheap.profile(kernels=0.002, ops=400, per_op=10e-6)
-    why = cheap.first_graph(nodes=400)  # a graph of ~0.13 s: 256 iterations' 5% of 10 ms
-    assert "would save ~0.0 ms of a ~10.0 ms iteration" in why and "after ~256" in why, why
-    for _ in range(254):
+    cheap.profile(kernels=0.002, ops=400)
+    why = cheap.first_graph(nodes=400)  # a graph of ~0.10 s: 208 iterations' 5% of 10 ms
+    assert "would save ~0.0 ms of a ~10.0 ms iteration" in why and "after ~208" in why, why
+    for _ in range(200):
         cheap.iteration("eager", 0.010)
     assert cheap.first_graph(nodes=400) is not None
-    cheap.iteration("eager", 0.010)  # the budget of the run so far affords it
+    for _ in range(10):
+        cheap.iteration("eager", 0.010)  # the budget of the run so far affords it
     assert cheap.first_graph(nodes=400) is None
     assert Ledger(budget=0.05).first_graph(nodes=400) is None  # no profile: built
+
+
+def test_the_cost_constants_scale_with_the_interpreters_speed():
+    """The skeleton's and generation's costs are measured in seconds on one machine and
+    scaled by a fixed piece of Python timed here, not by the recorder's speed."""
+    from terra import budget
+
+    unit = budget.python_unit()
+    assert 0 < unit < 1e-4 and budget.python_unit() == unit  # measured once
+    assert budget.Ledger().scale == unit / budget.REFERENCE_UNIT
+    slow = budget.Ledger(scale=2.0)
+    slow.profile(kernels=0.01, ops=100)
+    assert slow.saving() == pytest.approx(0.01 - 2 * 100 * budget.Ledger.SKELETON_PER_OP)
+    assert slow.build_cost(10, 4) == pytest.approx(
+        2 * (6 * budget.Ledger.BUILD_PER_NODE + 4 * budget.Ledger.BUILD_PER_REGION_NODE))
 
 
 def test_a_first_graph_predicted_to_save_nothing_waits_for_the_budget(monkeypatch):
     """The runtime's side of the prediction (its arithmetic is tested above, its accuracy
     is the corpus's: TF-Agents' DQN): a program the traces predict no saving for runs
-    eagerly after its two traces, with no graph and no fallback, says why in explain(), and
+    eagerly after its first trace, with no graph and no fallback, says why in explain(), and
     gets its graph once the budget of the run affords the estimated cost."""
     from terra import budget
 
@@ -449,7 +467,7 @@ def test_a_first_graph_predicted_to_save_nothing_waits_for_the_budget(monkeypatc
         if tape_cls is terra.TerraGradientTape:
             terra.configure(budget=0.05)
             monkeypatch.setattr(budget.Ledger, "saving", lambda self: 0.0)
-            monkeypatch.setattr(budget.Ledger, "build_cost", lambda self, nodes: 0.01)
+            monkeypatch.setattr(budget.Ledger, "build_cost", lambda self, *size: 0.01)
         try:
             return mlp_loop(tape_cls, steps)
         finally:
@@ -458,6 +476,7 @@ def test_a_first_graph_predicted_to_save_nothing_waits_for_the_budget(monkeypatc
     outcome = assert_same_as_eager(program, 8, min_coexecuted=0)
     s = outcome.stats
     assert s.graph_generations == 0 and s.phase == "waiting", outcome.report()
+    assert s.traces == 1, outcome.report()  # the first trace told: no second one
     assert "waiting: co-execution would save ~0.0 ms of a" in outcome.explain, outcome.report()
     # a long enough run affords the 10 ms the graph is taken to cost: it is built then
     outcome = assert_same_as_eager(program, 60, min_coexecuted=1, max_traces=3)
