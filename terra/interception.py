@@ -5,7 +5,9 @@ slow-path fallbacks and function calls) are module attributes looked up at call 
 wrapping them sees every op except C++-internal constant conversion. ``record.record_operation``
 is wrapped the same way, to hear of custom gradients. While a handler is set,
 ops issued by the owning thread go to it; everything else (other threads, Terra's own queue
-ops, which call ``quick_execute`` directly) passes straight through.
+ops, which call ``quick_execute`` directly) passes straight through. While no handler is set
+(Terra waiting, or eager between graphs) TF's own functions are put back, so a program Terra
+keeps eager runs at eager's speed, not one Python call per op slower.
 
 The op callback used for recording is added on the context directly rather than with
 ``op_callbacks.add_op_callback``, which would rebind ``execute.execute`` over our wrapper;
@@ -60,26 +62,46 @@ def _record(op_type, output_tensors, input_tensors, backward_function,
                            forward_function)
 
 
+_installed = False
+_plain_execute = None  # ``execute.execute`` as it was when installed (TF's quick_execute)
+
+
 def install():
-    pywrap_tfe.TFE_Py_FastPathExecute = _fast
-    execute.execute = _slow
-    record.record_operation = _record
+    global _installed, _plain_execute
+    if not _installed:
+        _plain_execute = execute.execute
+    _installed = True
+    _route(_handler is not None)
     functions.install()
 
 
 def uninstall():
-    global _handler
+    global _handler, _installed
     _handler = None
-    pywrap_tfe.TFE_Py_FastPathExecute = ORIGINAL_FAST
-    execute.execute = execute.quick_execute
-    record.record_operation = ORIGINAL_RECORD
+    _route(False)
+    _installed = False
     functions.uninstall()
+
+
+def _route(on: bool):
+    """Put the doors in TF's way, or take them out: with no handler set (Terra waiting, or
+    eager between graphs) the ops run through TF's own functions, at no cost per op."""
+    if on:
+        pywrap_tfe.TFE_Py_FastPathExecute = _fast
+        execute.execute = _slow
+        record.record_operation = _record
+    elif _installed:
+        pywrap_tfe.TFE_Py_FastPathExecute = ORIGINAL_FAST
+        execute.execute = _plain_execute
+        record.record_operation = ORIGINAL_RECORD
 
 
 def set_handler(handler):
     """Route the calling thread's ops to ``handler`` (``None`` restores plain eager)."""
     global _handler, _owner
     _owner = _get_ident()
+    if _installed and (handler is None) != (_handler is None):
+        _route(handler is not None)
     _handler = handler
 
 

@@ -42,6 +42,7 @@ class GraphLifecycle:
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
         self._noted_first_wait = False  # explain() says why the first graph waits
+        self._size_of = (0, 0)  # the TraceGraph's (nodes, nodes in gradient regions)
         self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
         self._note = note
@@ -144,7 +145,9 @@ class GraphLifecycle:
     def _size(self):
         """(nodes, nodes in gradient regions) of the TraceGraph: what a graph of it costs."""
         nodes = self.tracegraph.nodes
-        return len(nodes), sum(1 for n in nodes if n.in_body)
+        if self._size_of[0] != len(nodes):  # asked every iteration while waiting
+            self._size_of = (len(nodes), sum(1 for n in nodes if n.in_body))
+        return self._size_of
 
     def may_build(self) -> bool:
         """While waiting: whether the run is now long enough for the budget to afford
