@@ -14,6 +14,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
 from terra.divergence import Divergence
+from terra.hooks import tensors as _tensors
 from terra.location import user_location
 
 _EagerTensor = ops.EagerTensor
@@ -68,20 +69,19 @@ class TapeMarks:
 
     def gradient(self, tape, target, sources, output_gradients, unconnected):
         rt = self.runtime
-        flat_sources = nest.flatten(sources)
-        attrs = (tape.mark_attrs, len(nest.flatten(target)), len(flat_sources),
-                 output_gradients is None, str(unconnected))
         if rt.phase == "coexecution":
             tensors = grad_tensors(target, sources, output_gradients)
             extra = (tape, target, sources, output_gradients, unconnected)
+            attrs = grad_attrs(tape, target, sources, output_gradients, unconnected)
             flat = self.coexec(lambda: rt.runner.gradient(attrs, tensors, extra))
             if flat is not None:
                 return nest.pack_sequence_as(sources, flat)
         if rt.phase != "tracing":
             return tape.real.gradient(*map(self._swap_all, (target, sources, output_gradients)),
                                       unconnected_gradients=unconnected)
-        return tape.traced_gradient(self._swap_all(target), self._swap_all(sources),
-                                    self._swap_all(output_gradients), unconnected, attrs)
+        return tape.traced_gradient(
+            self._swap_all(target), self._swap_all(sources), self._swap_all(output_gradients),
+            unconnected, grad_attrs(tape, target, sources, output_gradients, unconnected))
 
     def step_aside(self, tape, what):
         """``tape.<what>`` runs on the real tape: leave co-execution if in it (the replay
@@ -96,6 +96,8 @@ class TapeMarks:
             rt.recorder.aborted = True
 
     def _swap_all(self, structure):
+        if not _tensors:  # no stand-in or traced value alive: nothing to swap
+            return structure
         real = self.runtime.tracing_door.real
         return nest.map_structure(
             lambda x: real(x) if type(x) is _EagerTensor else x, structure)
@@ -111,6 +113,12 @@ class TapeMarks:
             if self.runtime.handle(why):
                 return True if why.result is None else why.result
             return None
+
+
+def grad_attrs(tape, target, sources, output_gradients, unconnected) -> tuple:
+    """What a gradient call is matched on, besides its tensors."""
+    return (tape.mark_attrs, len(nest.flatten(target)), len(nest.flatten(sources)),
+            output_gradients is None, str(unconnected))
 
 
 def grad_tensors(target, sources, output_gradients):
