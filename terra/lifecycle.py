@@ -14,6 +14,7 @@ import time
 from terra import background, budget, interception, profiling
 from terra.config import config
 from terra.graph_builder import generate
+from terra.nodes import NodeKind
 from terra.tracegraph import TraceGraph
 
 _EAGER_PHASES = ("warmup", "eager", "waiting")  # iterations that ran plainly: eager's time
@@ -43,6 +44,7 @@ class GraphLifecycle:
         self._pending = None  # a background.Instantiation under way
         self._noted_first_wait = False  # explain() says why the first graph waits
         self._size_of = (0, 0)  # the TraceGraph's (nodes, nodes in gradient regions)
+        self._trace_size = (0, 0)  # the last trace's (records, records in gradient regions)
         self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
         self._note = note
@@ -75,7 +77,8 @@ class GraphLifecycle:
     def merge(self, rec):
         """Merge a finished trace into the TraceGraph. Returns whether the TraceGraph already
         covered it (time to generate), or None if the trace is not merged (dropped, aborted,
-        creating state, empty or too long). Raises :class:`GiveUp` when a gradient region
+        creating state, empty or too long); False, unmerged, for a first trace whose graph
+        would wait (``waits_for_first_graph``). Raises :class:`GiveUp` when a gradient region
         cannot be skipped by Python, or when merging fails (the TraceGraph may be
         half-merged)."""
         if rec.broken is not None:
@@ -96,6 +99,10 @@ class GraphLifecycle:
             raise GiveUp(why)
         if len(rec.records) > config.max_trace_ops:
             return None
+        self._trace_size = (len(rec.records),
+                            sum(r.body_len for r in rec.records if r.kind is NodeKind.GRAD))
+        if not self.tracegraph.nodes and self.waits_for_first_graph():
+            return False  # not merged either: a graph that waits needs no TraceGraph yet
         regions_before = self.tracegraph.regions() if self._stats.graph_generations else None
         try:
             covered, _ = self.tracegraph.merge(rec.records, any_path=self.folded())
@@ -143,8 +150,11 @@ class GraphLifecycle:
         return why is not None
 
     def _size(self):
-        """(nodes, nodes in gradient regions) of the TraceGraph: what a graph of it costs."""
+        """(nodes, nodes in gradient regions) of the TraceGraph, or before it has any, of
+        the last trace: what a graph of it costs."""
         nodes = self.tracegraph.nodes
+        if not nodes:
+            return self._trace_size
         if self._size_of[0] != len(nodes):  # asked every iteration while waiting
             self._size_of = (len(nodes), sum(1 for n in nodes if n.in_body))
         return self._size_of

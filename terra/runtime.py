@@ -154,7 +154,7 @@ class Runtime:
                 self.graph_runner.submit(job)
             self.runner.begin(it)
             interception.set_handler(self.coexec_door)
-        elif self.phase in ("eager", "waiting", "instantiating"):
+        elif self.phase in ("warmup", "eager", "waiting", "instantiating"):
             # plain eager speed: the door only swaps stand-ins for values, and none is alive
             interception.set_handler(self.tracing_door if hooks.tensors else None)
         self._began = (self.phase, began, False)
