@@ -11,7 +11,7 @@ never changes the runtime's state itself, so a phase is set in one place.
 
 import time
 
-from terra import background, budget, interception, profiling
+from terra import background, budget, functions, interception, profiling
 from terra.config import config
 from terra.graph_builder import generate
 from terra.nodes import NodeKind
@@ -43,8 +43,10 @@ class GraphLifecycle:
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
         self._noted_first_wait = False  # explain() says why the first graph waits
-        self._size_of = (0, 0)  # the TraceGraph's (nodes, nodes in gradient regions)
-        self._trace_size = (0, 0)  # the last trace's (records, records in gradient regions)
+        # the TraceGraph's nodes, and what a graph of it costs: its nodes and those of the
+        # tf.functions it calls, and its nodes in gradient regions
+        self._size_of = (0, 0, 0)
+        self._trace_size = (0, 0)  # the last trace's, the same way
         self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
         self._note = note
@@ -99,8 +101,10 @@ class GraphLifecycle:
             raise GiveUp(why)
         if len(rec.records) > config.max_trace_ops:
             return None
-        self._trace_size = (len(rec.records),
-                            sum(r.body_len for r in rec.records if r.kind is NodeKind.GRAD))
+        self._trace_size = (
+            len(rec.records) + functions.called(
+                r.op_type for r in rec.records if r.kind is NodeKind.OP),
+            sum(r.body_len for r in rec.records if r.kind is NodeKind.GRAD))
         if not self.tracegraph.nodes and self.waits_for_first_graph():
             return False  # not merged either: a graph that waits needs no TraceGraph yet
         regions_before = self.tracegraph.regions() if self._stats.graph_generations else None
@@ -151,13 +155,16 @@ class GraphLifecycle:
 
     def _size(self):
         """(nodes, nodes in gradient regions) of the TraceGraph, or before it has any, of
-        the last trace: what a graph of it costs."""
+        the last trace, counting those of the ``tf.function``s it calls: what a graph of it
+        costs."""
         nodes = self.tracegraph.nodes
         if not nodes:
             return self._trace_size
         if self._size_of[0] != len(nodes):  # asked every iteration while waiting
-            self._size_of = (len(nodes), sum(1 for n in nodes if n.in_body))
-        return self._size_of
+            called = functions.called(n.op_type for n in nodes if n.kind is NodeKind.OP)
+            self._size_of = (len(nodes), len(nodes) + called,
+                             sum(1 for n in nodes if n.in_body))
+        return self._size_of[1:]
 
     def may_build(self) -> bool:
         """While waiting: whether the run is now long enough for the budget to afford

@@ -160,3 +160,21 @@ def keras_model_in_a_tf_function(tape_cls, steps):
 def test_a_keras_model_with_batchnorm_called_through_tf_function():
     outcome = assert_same_as_eager(keras_model_in_a_tf_function, STEPS, exact=EXACT)
     assert outcome.stats.coexecuted >= STEPS - 4, outcome.report()
+
+
+def test_a_graphs_cost_counts_the_bodies_of_the_tf_functions_it_calls():
+    """TF instantiates a called function's body at the generated graph's first call that
+    reaches it: the first graph's estimated cost counts those nodes, once per function."""
+    from terra import functions
+
+    @tf.function
+    def f(x):
+        return tf.sin(x) * 2.0 + tf.cos(x)
+
+    x = tf.constant(1.0)
+    f(x)
+    name = f.get_concrete_function(x).name.decode()
+    body = functions.called([name])
+    assert body >= 4, body  # sin, mul, cos, add (and the arguments)
+    assert functions.called(["MatMul", name, name, "AddV2"]) == body
+    assert functions.called(["MatMul"]) == 0
