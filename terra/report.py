@@ -35,6 +35,9 @@ def explain(verbose: bool = False) -> str:
     if rt.unsupported:
         lines.append(f"running eagerly because {rt.unsupported}")
     lines.append(str(rt.lifecycle.ledger))
+    checked = rt.verifier.summary()
+    if checked is not None:
+        lines.append(checked)
     lines.extend(plain)
     lines.extend(rt.syncs.report(s.graph_idle, limit=None if verbose else _MAX_SYNCS))
     if verbose:
