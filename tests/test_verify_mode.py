@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from differential import assert_same_as_eager
-from tiny_models import batch, mlp_task, state
+from tiny_models import batch, mlp_loop, mlp_task, state
 
 import terra
 from terra import emitter
@@ -102,10 +102,12 @@ def test_verified_every_iteration_the_program_keeps_eager_numbers_and_no_differe
 
 
 def test_every_kth_co_executed_iteration_is_verified(verify_every):
+    """``mlp_loop`` reads its loss with ``float()`` in every iteration: a fetched value."""
     verify_every(3)
-    outcome = assert_same_as_eager(program, 12)
+    outcome = assert_same_as_eager(mlp_loop, 12, exact=("losses", "model", "optimizer0"))
     s = outcome.stats
     assert s.coexecuted >= 6 and s.verified == s.coexecuted // 3, outcome.report()
+    assert s.verify_differences == 0, outcome.report()
 
 
 def test_without_verify_mode_the_perturbed_graph_gives_other_numbers(monkeypatch):
@@ -153,17 +155,50 @@ def test_a_graph_that_computes_wrongly_raises_naming_the_op_and_the_line(
             np.testing.assert_array_equal(value, expected.numpy())
 
 
-def test_in_warn_mode_the_program_finishes_with_eager_numbers(verify_every, monkeypatch):
+@pytest.mark.parametrize("fault, marker, what", [
+    (_the_loss, "# loss", "output 0 of Mean"),
+    (_a_backward_matmul, "# grads", "gradient result 0 of tape.gradient"),  # wrong updates
+])
+def test_in_warn_mode_the_program_finishes_with_eager_numbers(
+        verify_every, monkeypatch, fault, marker, what):
     verify_every(1, "warn")
-    _perturb(monkeypatch, _the_loss)
-    with pytest.warns(terra.DivergenceWarning, match="output 0 of Mean") as warned:
+    _perturb(monkeypatch, fault)
+    with pytest.warns(terra.DivergenceWarning, match=what) as warned:
         outcome = assert_same_as_eager(program, STEPS, exact=("losses", "model", "optimizer0"))
-    assert len(warned) == 1 and warned[0].filename in _line_of("# loss"), warned[0]
-    s = outcome.stats
-    assert s.phase == "eager" and s.verified == 1 and s.verify_differences == 1, \
+    (warning,) = [w for w in warned if w.category is terra.DivergenceWarning]
+    assert f"{warning.filename}:{warning.lineno}" == _line_of(marker), warning
+    s = outcome.stats  # one check found it; Terra ran eagerly from there
+    assert s.phase == "eager" and s.verified == 1 and s.verify_differences >= 1, \
         outcome.report()
 
 
 def test_a_wrong_verify_action_is_refused():
     with pytest.raises(ValueError, match="verify_action"):
         terra.configure(verify_action="ignore")
+
+
+@pytest.mark.parametrize("closed_by", ["a read after the loop", "terra.reset()"])
+def test_a_difference_in_the_last_iteration_is_raised_where_it_is_closed(
+        verify_every, monkeypatch, closed_by):
+    """The last iteration never ends at a tape enter: an op after the loop closes it (the
+    variable's read raises), or ``terra.reset()`` does (which still stops the runtime)."""
+    verify_every(1)
+    _perturb(monkeypatch, _the_loss)
+    terra.reset()
+    tf.keras.backend.clear_session()
+    try:
+        results = program(terra.TerraGradientTape, 4)  # iteration 4: the only co-executed one
+        with pytest.raises(terra.DivergenceError, match="output 0 of Mean"):
+            if closed_by == "terra.reset()":
+                terra.reset()
+            else:
+                results["model"][0].numpy()
+        if closed_by == "terra.reset()":
+            assert terra.stats().iterations == 0  # the runtime is gone
+        else:
+            assert terra.stats().phase == "eager", terra.explain()
+        kernel = results["model"][0].numpy()  # eager's, read eagerly now
+    finally:
+        terra.reset()
+    tf.keras.backend.clear_session()
+    np.testing.assert_array_equal(kernel, program(tf.GradientTape, 4)["model"][0].numpy())
