@@ -89,10 +89,11 @@ class Difference:
     more: int = 0
 
     def __str__(self):
-        at = f"{self.location.file}:{self.location.line}" if self.location else "an unknown line"
+        loc = self.location
+        at = f" issued at {loc.file}:{loc.line}" if loc else ""
         also = f"; {self.more} more value(s) or variable(s) differ" if self.more else ""
         return (f"Terra's graph and eager differ in iteration {self.iteration}: {self.what} "
-                f"{self.op} issued at {at}: {self.detail}{also}")
+                f"{self.op}{at}: {self.detail}{also}")
 
 
 @dataclasses.dataclass
@@ -143,8 +144,7 @@ class Verifier:
     def check(self, kept, rt):
         """Replay the kept iteration eagerly from its snapshot (on the runtime ``rt``'s
         tapes and sites) and compare; return the first :class:`Difference`, or None. The
-        variables are left at eager's values; if the replay fails for a reason other than
-        TF's error, at the graph's."""
+        variables are left at eager's values, or at the graph's if the replay raised."""
         began = time.perf_counter()
         try:
             return self._check(kept, rt)
@@ -166,9 +166,9 @@ class Verifier:
         except errors.OpError as error:  # eager fails where the graph did not
             fallback.assign(kept.written, kept.after)  # eager has no state past its error
             self.stats.verify_differences += 1
-            return Difference(kept.iteration, error.op.type if error.op else "an op", None,
-                              "the eager run of", f"raised {type(error).__name__}: "
-                              f"{error.message}")
+            # the replay names the user's line of a failing op in the message
+            return Difference(kept.iteration, "the iteration", None, "the eager run of",
+                              f"raised {type(error).__name__}: {error.message}")
         except BaseException:
             fallback.assign(kept.written, kept.after)
             raise

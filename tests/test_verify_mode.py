@@ -20,7 +20,7 @@ from differential import assert_same_as_eager
 from tiny_models import batch, mlp_loop, mlp_task, state
 
 import terra
-from terra import emitter
+from terra import emitter, fallback
 from terra.config import config
 
 STEPS = 9  # warm-up 1, traces 2, then co-executed from step 4 on (iteration 4)
@@ -202,3 +202,36 @@ def test_a_difference_in_the_last_iteration_is_raised_where_it_is_closed(
         terra.reset()
     tf.keras.backend.clear_session()
     np.testing.assert_array_equal(kernel, program(tf.GradientTape, 4)["model"][0].numpy())
+
+
+def test_an_error_only_the_eager_run_raises_is_a_difference(verify_every, monkeypatch):
+    """The replay's loss op fails as TF fails it (a reduction over an axis the loss has
+    not): eager would raise where the graph did not. The graph's variables stand, since
+    eager has none past its error."""
+    verify_every(1)
+    original = fallback._execute
+
+    def failing(node, args, *rest):
+        if node.op_type == "Mean":
+            args = [args[0], tf.constant([5])]
+        return original(node, args, *rest)
+
+    monkeypatch.setattr(fallback, "_execute", failing)
+    terra.reset()
+    tf.keras.backend.clear_session()
+    progress = {}
+    try:
+        with pytest.raises(terra.DivergenceError) as caught:
+            program(terra.TerraGradientTape, STEPS, progress)
+        at_raise = [v.numpy() for v in progress["model"].variables]
+        phase = terra.stats().phase
+    finally:
+        terra.reset()
+    message = str(caught.value)
+    assert "iteration 4: the eager run of the iteration: raised InvalidArgumentError" in \
+        message and f"issued at {_line_of('# loss')}" in message, message
+    assert progress["completed"] == 4 and phase == "eager"
+    tf.keras.backend.clear_session()
+    reference = program(tf.GradientTape, 4)["model"]
+    for value, expected in zip(at_raise, reference, strict=True):
+        np.testing.assert_array_equal(value, expected.numpy())
