@@ -41,6 +41,9 @@ far as Terra can see. Its op and the user's line are in the :class:`DivergenceEr
 :class:`DivergenceWarning`), and Terra then runs eagerly for the rest of the run: a graph
 that computed other numbers once cannot be trusted for the iterations between checks.
 
+An error TF raises in the replay where the graph ran without one is a difference too; the
+variables are then left at the graph's values, since eager has none past its error.
+
 What cannot be checked: values Python read during the iteration were the graph's (the
 check comes at its end), and Python's decisions made on them (``if loss > t``) are taken
 as they were; a replay follows the path Python took.
@@ -55,6 +58,7 @@ from tensorflow.python.framework import errors
 
 from terra import fallback, hooks, interception, opdefs, profiling
 from terra.config import config
+from terra.location import user_location
 from terra.nodes import NodeKind, SlotKind
 from terra.trace import Recorder
 
@@ -107,7 +111,7 @@ class _Kept:
     customs: list
     written: list
     read: object  # the graph's snapshot function: reads them all
-    before: list
+    before: list | None  # None: the graph writes no variable
     after: list
 
 
@@ -224,15 +228,15 @@ class Verifier:
 
 
 def report(difference):
-    """Raise :class:`DivergenceError` for ``difference``, or warn (``verify_action``)."""
-    if config.verify_action == "warn":
-        loc = difference.location
-        if loc is None:
-            warnings.warn(str(difference), DivergenceWarning, stacklevel=2)
-        else:  # attributed to the user's line that issued the op
-            warnings.warn_explicit(str(difference), DivergenceWarning, loc.file, loc.line)
-        return
-    raise DivergenceError(difference)
+    """Raise :class:`DivergenceError` for ``difference``, or warn (``verify_action``): a
+    warning attributed to the user's line that issued the op (else to where Python is)."""
+    if config.verify_action == "raise":
+        raise DivergenceError(difference)
+    loc = difference.location or user_location()
+    if loc is None:
+        warnings.warn(str(difference), DivergenceWarning, stacklevel=2)
+    else:
+        warnings.warn_explicit(str(difference), DivergenceWarning, loc.file, loc.line)
 
 
 def _graph_values(log):
