@@ -46,7 +46,9 @@ variables are then left at the graph's values, since eager has none past its err
 
 What cannot be checked: values Python read during the iteration were the graph's (the
 check comes at its end), and Python's decisions made on them (``if loss > t``) are taken
-as they were; a replay follows the path Python took.
+as they were; a replay follows the path Python took. With k > 1 the iterations between two
+checks are not redone: the snapshot a check starts from may carry up to k - 1 iterations of
+the graph's numbers.
 """
 
 import dataclasses
