@@ -8,7 +8,12 @@ iteration is run again eagerly and compared with what the graph computed.
    other numbers than eager without verify mode: the fault is real and a differential test
    catches it. With verify mode it raises ``terra.DivergenceError`` at the first co-executed
    iteration, naming the op and the user's line, with eager's variables at the raise; in
-   warn mode it warns and the program finishes with eager's numbers.
+   warn mode it warns and the program finishes with eager's numbers. A wrong gradient is
+   named where Python sees it: at ``tape.gradient`` if Python keeps the gradients, else at
+   the variable the optimizer writes first.
+3. The last iteration, which no tape enter closes, is checked where it is closed (an op
+   after the loop, ``terra.reset()``); an error only the eager replay raises is a
+   difference; ``verify=3`` checks every third co-executed iteration.
 """
 
 import inspect
@@ -51,6 +56,7 @@ def program(tape_cls, steps, progress=None, drop_grads=False):
 
 
 def _line_of(marker):
+    """``file:line`` of the line of ``program`` that ends with ``marker``."""
     source, first = inspect.getsourcelines(program)
     (offset,) = [i for i, text in enumerate(source) if text.rstrip().endswith(marker)]
     return f"{inspect.getsourcefile(program)}:{first + offset}"
