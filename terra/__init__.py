@@ -10,8 +10,9 @@ from terra.config import configure
 from terra.report import explain
 from terra.runtime import reset, stats
 from terra.tape import TerraGradientTape, disable, enable, enabled
+from terra.verify import DivergenceError, DivergenceWarning
 
 tf.TerraGradientTape = TerraGradientTape
 
-__all__ = ["TerraGradientTape", "configure", "disable", "enable", "enabled", "explain", "reset",
-           "stats"]
+__all__ = ["DivergenceError", "DivergenceWarning", "TerraGradientTape", "configure", "disable",
+           "enable", "enabled", "explain", "reset", "stats"]

@@ -16,6 +16,16 @@ def _env_flag(name: str, default: bool = False) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+_ACTIONS = ("raise", "warn")
+
+
+def _action(value):
+    """A valid ``verify_action``: checked when set, not when a difference is found."""
+    if value not in _ACTIONS:
+        raise ValueError(f"verify_action must be one of {_ACTIONS}, not {value!r}")
+    return value
+
+
 @dataclasses.dataclass
 class Config:
     """Terra's switches.
@@ -87,6 +97,19 @@ class Config:
         generating graphs and run eagerly (``explain()`` says why): a program that takes a
         new path every step (a loop growing by one trip per step, a data-dependent shape)
         would otherwise trace, generate and fall back forever, slower than eager.
+      verify: (``TERRA_VERIFY``) verify mode: every ``verify``-th co-executed iteration is
+        run again eagerly from the variables it started with and compared with what the
+        graph computed (``terra.verify``); 0, off. A long run can then show, at a cost it
+        chooses, that Terra still gives eager's numbers.
+      verify_rtol, verify_atol: (``TERRA_VERIFY_RTOL``, ``TERRA_VERIFY_ATOL``) how far a
+        floating-point value may be from eager's, as ``numpy.isclose`` reads them (eager's
+        value is the reference). Not zero by default: a symbolic gradient or a While sums
+        in another order than the tape (1e-7 relative), and XLA or ``exact`` off round
+        otherwise; integers, booleans and strings must be equal.
+      verify_action: (``TERRA_VERIFY_ACTION``) what a difference does: ``"raise"``
+        (``terra.DivergenceError`` at the next tape enter or op) or ``"warn"`` (a
+        ``terra.DivergenceWarning``, and the run goes on). Either way Terra runs eagerly
+        from there, from eager's variables.
     """
 
     disable: bool = False
@@ -106,6 +129,10 @@ class Config:
     free_rebuilds: int = 2
     min_saving: float = 0.05
     verbosity: int = 0
+    verify: int = 0
+    verify_rtol: float = 1e-5
+    verify_atol: float = 1e-6
+    verify_action: str = "raise"
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -123,6 +150,10 @@ class Config:
             free_rebuilds=int(os.environ.get("TERRA_FREE_REBUILDS", "2")),
             min_saving=float(os.environ.get("TERRA_MIN_SAVING", "0.05")),
             verbosity=int(os.environ.get("TERRA_VERBOSITY", "0")),
+            verify=int(os.environ.get("TERRA_VERIFY", "0")),
+            verify_rtol=float(os.environ.get("TERRA_VERIFY_RTOL", "1e-5")),
+            verify_atol=float(os.environ.get("TERRA_VERIFY_ATOL", "1e-6")),
+            verify_action=_action(os.environ.get("TERRA_VERIFY_ACTION", "raise")),
         )
 
 
@@ -134,4 +165,4 @@ def configure(**switches):
     for name, value in switches.items():
         if not hasattr(config, name):
             raise TypeError(f"unknown Terra switch {name!r}")
-        setattr(config, name, value)
+        setattr(config, name, _action(value) if name == "verify_action" else value)

@@ -120,10 +120,15 @@ def restore(job, timeout):
     """Wait for ``job`` to stop and put back the variables it may have written."""
     if not job.done.wait(timeout):
         raise GraphStuck(f"the graph did not stop within {timeout:.0f}s of being cancelled")
-    if job.snapshot is None:
-        return
+    if job.snapshot is not None:
+        assign(job.graph.written, job.snapshot)
+
+
+def assign(written, values):
+    """Set the variables ``written`` (a graph's ``(handle, dtype)`` list) to ``values``,
+    unseen by the doors and the tapes: Terra's own state change, not the iteration's."""
     ctx = context.context()
-    for (handle, dtype), value in zip(job.graph.written, job.snapshot):
+    for (handle, dtype), value in zip(written, values):
         execute.quick_execute("AssignVariableOp", 0, [handle, value],
                               ("dtype", dtype, "validate_shape", False), ctx)
 

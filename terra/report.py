@@ -1,9 +1,10 @@
 """``terra.explain()``: what Terra did in this run and why, as text.
 
 By default a summary a user can read at a glance: the counters and phase, why Terra runs
-eagerly if it gave up, the cost ledger, the host syncs (the user's lines where Python waited
-for the graph, costliest first, the first ten: a value read every step is what most often
-keeps the two runners from overlapping; ``terra.syncs``), the events grouped by kind and
+eagerly if it gave up, the cost ledger, verify mode's checks (``terra.verify``), the host
+syncs (the user's lines where Python waited for the graph, costliest first, the first ten: a
+value read every step is what most often keeps the two runners from overlapping;
+``terra.syncs``), the events grouped by kind and
 site with how often each happened (a fallback, a detour, Terra's own failure), and one line
 each on the TraceGraph and the graph co-executed now. ``verbose=True`` lists every host-sync
 line, gives every event in full and in order, and the TraceGraph itself (the lines in Python
@@ -35,6 +36,9 @@ def explain(verbose: bool = False) -> str:
     if rt.unsupported:
         lines.append(f"running eagerly because {rt.unsupported}")
     lines.append(str(rt.lifecycle.ledger))
+    checked = rt.verifier.summary()
+    if checked is not None:
+        lines.append(checked)
     lines.extend(plain)
     lines.extend(rt.syncs.report(s.graph_idle, limit=None if verbose else _MAX_SYNCS))
     if verbose:

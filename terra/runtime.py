@@ -29,7 +29,7 @@ import traceback
 from tensorflow.python.eager import context
 from tensorflow.python.framework import errors
 
-from terra import events, hooks, interception, library_regions, profiling, syncs
+from terra import events, hooks, interception, library_regions, profiling, syncs, verify
 from terra import fallback as fallback_lib
 from terra.config import config
 from terra.divergence import (
@@ -63,6 +63,9 @@ class Stats:
     graph_exec: float = 0.0  # seconds the GraphRunner spent in graph calls
     graph_idle: float = 0.0  # seconds the GraphRunner waited for the next iteration
     skipped_calls: int = 0  # library calls (optimizer updates) the skeleton skipped
+    verified: int = 0  # iterations verify mode ran again eagerly and compared (terra.verify)
+    verify_differences: int = 0  # values and variables they found differing from eager's
+    verify_time: float = 0.0  # seconds verify mode took (not booked to Terra's ledger)
 
 
 class Runtime:
@@ -92,6 +95,7 @@ class Runtime:
         self.coexec_door = CoexecDoor(self)
         self.marks = TapeMarks(self)
         self.regions = library_regions.LibraryRegions(self.events.note)
+        self.verifier = verify.Verifier(self.stats)
         library_regions.install()
         hooks.install()
         interception.install()
@@ -167,8 +171,8 @@ class Runtime:
                                         "early end"))
                 else:
                     self._close_iteration()
-        except (GraphFailed, errors.OpError):  # the user's error, reproduced eagerly
-            raise
+        except (GraphFailed, errors.OpError, verify.DivergenceError):  # the user's error,
+            raise  # reproduced eagerly, or the difference verify mode was asked to raise
         except Exception as err:  # noqa: BLE001 - Terra's own failure
             self.fail_safe(err)
         if self.phase == "tracing" and self.recorder is not None:
@@ -185,6 +189,7 @@ class Runtime:
         except GraphFailed as why:  # the replay raises the error at the user's line
             self.leave(why)
             return
+        kept = self.verifier.keep(self.runner.it)  # verify mode: the k-th iteration's results
         uncovered = self.runner.finish()
         if uncovered:  # the replay gives every one of them its value
             self.leave(Divergence("a tensor outlived its iteration but the graph does not "
@@ -193,6 +198,26 @@ class Runtime:
             self.stats.coexecuted += 1
             self.fallbacks_in_a_row = 0
             self.runner.it = None
+            if kept is not None:
+                self._verify(kept)
+
+    def _verify(self, kept):
+        """Verify mode: run the iteration just closed again eagerly and compare
+        (``terra.verify``); the ledger does not book that time, which the user chose. A
+        difference ends co-execution for the run (the variables are eager's), then raises
+        or warns; Terra's own failure (``fail_safe``) leaves the graph's results standing."""
+        spent = self.stats.verify_time
+        try:
+            difference = self.verifier.check(kept, self)
+        except Exception as err:  # noqa: BLE001 - Terra's own failure
+            self.fail_safe(err)
+            difference = None
+        if self._began is not None:
+            phase, start, fell = self._began
+            self._began = (phase, start + self.stats.verify_time - spent, fell)
+        if difference is not None:
+            self._give_up(f"verify mode: {difference}")
+            verify.report(difference)
 
     def path_ended(self, why):
         """An op after the end of the matched path, or off a path whose rest has no effects
@@ -435,22 +460,26 @@ class Runtime:
         return s
 
     def shutdown(self):
-        """Finish pending graph work so variables hold their final values."""
+        """Finish pending graph work so variables hold their final values (and stop the
+        runners even if verify mode raises for the last iteration)."""
         self.lifecycle.shutdown()
-        if self.phase == "coexecution" and self.runner.it is not None:
-            if not self.runner.at_end():
-                self.leave(Divergence("terra.reset() in the middle of an iteration", "early end"))
-            else:
-                self.graph_runner.submit(self.runner.it.job)
-                self._close_iteration()
-        if self.recorder is not None:
-            self.ctx.remove_op_callback(self.recorder.callback)
-        if self._graph_runner is not None:
-            self._graph_runner.stop()
-            self._watchdog.stop()
-        self.span.end()
-        gc.unfreeze()
-        interception.set_handler(self.tracing_door if hooks.tensors else None)
+        try:
+            if self.phase == "coexecution" and self.runner.it is not None:
+                if not self.runner.at_end():
+                    self.leave(Divergence("terra.reset() in the middle of an iteration",
+                                          "early end"))
+                else:
+                    self.graph_runner.submit(self.runner.it.job)
+                    self._close_iteration()
+        finally:
+            if self.recorder is not None:
+                self.ctx.remove_op_callback(self.recorder.callback)
+            if self._graph_runner is not None:
+                self._graph_runner.stop()
+                self._watchdog.stop()
+            self.span.end()
+            gc.unfreeze()
+            interception.set_handler(self.tracing_door if hooks.tensors else None)
 
 
 _runtime = None
@@ -483,7 +512,9 @@ def stats() -> Stats:
 def reset():
     """Forget the TraceGraph, the graph and the counters; the next tape starts afresh."""
     global _runtime
-    if _runtime is not None:
-        _runtime.shutdown()
-    _runtime = None
-    events.forget_plain_tapes()
+    try:
+        if _runtime is not None:
+            _runtime.shutdown()
+    finally:
+        _runtime = None
+        events.forget_plain_tapes()
