@@ -75,7 +75,8 @@ def test_profiler_shows_the_phases_and_the_graph_steps_on_their_threads(tmp_path
     assert len(steps) == len(set(steps)) >= s.coexecuted
     coexecuted = {stats["step_num"] for stats in loop["terra_coexecute"]}
     traced = {stats["step_num"] for stats in loop["terra_trace"]}
-    assert coexecuted <= set(steps), (coexecuted, steps)
+    # (the iteration that fell back may have been cancelled before its graph call started)
+    assert coexecuted - traced <= set(steps), (coexecuted, traced, steps)
     # traces come first; the iteration that fell back was co-executed, then traced
     assert min(traced) < min(coexecuted) and traced & coexecuted, (traced, coexecuted)
 
