@@ -63,6 +63,7 @@ class Stats:
     graph_exec: float = 0.0  # seconds the GraphRunner spent in graph calls
     graph_idle: float = 0.0  # seconds the GraphRunner waited for the next iteration
     skipped_calls: int = 0  # library calls (optimizer updates) the skeleton skipped
+    plain_tapes: int = 0  # tape enters that acted as plain GradientTapes (explain() says why)
 
 
 class Runtime:
@@ -429,6 +430,7 @@ class Runtime:
             s.graph_exec = self._graph_runner.busy_time
             s.graph_idle = self._graph_runner.idle_time
         s.skipped_calls = self.regions.skipped
+        s.plain_tapes = events.plain_tape_count()
         return s
 
     def shutdown(self):
@@ -472,9 +474,11 @@ def get() -> Runtime:
 
 
 def stats() -> Stats:
-    """Counters: iterations, traces, fallbacks, graph_generations, coexecuted, phase, and the
-    time breakdown of the two runners (seconds)."""
-    return _runtime.snapshot_stats() if _runtime is not None else Stats()
+    """Counters: iterations, traces, fallbacks, graph_generations, coexecuted, phase, tapes
+    that ran plain, and the time breakdown of the two runners (seconds)."""
+    if _runtime is None:  # no tape has run under Terra: tapes may still have run plain
+        return Stats(plain_tapes=events.plain_tape_count())
+    return _runtime.snapshot_stats()
 
 
 def reset():
