@@ -34,7 +34,7 @@ def why_plain():
     strategy = distribute_lib.get_strategy()
     if isinstance(strategy.extended, one_device_strategy.OneDeviceExtended):
         return None
-    name = type(strategy).__name__
+    name = _public_name(type(strategy))
     if isinstance(threading.current_thread(), mirrored_run._MirroredReplicaThread):
         return (f"a tape in a replica thread of {name}.run: an eager strategy.run runs each "
                 "replica's step in a thread of its own, new for every call, and reduces the "
@@ -42,3 +42,10 @@ def why_plain():
                 "ops of one thread")
     return (f"a tape under {name} outside strategy.run: its steps run in replica threads, "
             "which Terra does not co-execute")
+
+
+def _public_name(cls):
+    """The name the user wrote (``tf.distribute.MultiWorkerMirroredStrategy``, whose class is
+    ``CollectiveAllReduceStrategy``): TF's export names, kept on the class."""
+    exported = cls.__dict__.get("_tf_api_names")
+    return f"tf.{exported[0]}" if exported else cls.__name__
