@@ -8,7 +8,7 @@ calls it under a device scope and a replica context and runs its reductions and 
 updates (``merge_call``, ``extended.update``) inline. Terra co-executes those loops like any
 other.
 
-Every other strategy with more than one replica (``MirroredStrategy``,
+Every other strategy (``MirroredStrategy``, even over one device,
 ``MultiWorkerMirroredStrategy``, ``CentralStorageStrategy``, ``ParameterServerStrategy``) runs
 an eager ``strategy.run`` through ``mirrored_run``: one thread per local replica, started anew
 for every call, taking turns. Each replica's step runs until a ``merge_call`` (the
