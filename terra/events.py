@@ -26,6 +26,11 @@ def plain_tapes() -> dict:
     return dict(_plain_tapes)
 
 
+def plain_tape_count() -> int:
+    """How many tape enters acted as plain GradientTapes since the last reset."""
+    return sum(_plain_tapes.values())
+
+
 def forget_plain_tapes():
     _plain_tapes.clear()
 

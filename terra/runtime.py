@@ -66,6 +66,7 @@ class Stats:
     verified: int = 0  # iterations verify mode ran again eagerly and compared (terra.verify)
     verify_differences: int = 0  # values and variables they found differing from eager's
     verify_time: float = 0.0  # seconds verify mode took (not booked to Terra's ledger)
+    plain_tapes: int = 0  # tape enters that acted as plain GradientTapes (explain() says why)
 
 
 class Runtime:
@@ -457,6 +458,7 @@ class Runtime:
             s.graph_exec = self._graph_runner.busy_time
             s.graph_idle = self._graph_runner.idle_time
         s.skipped_calls = self.regions.skipped
+        s.plain_tapes = events.plain_tape_count()
         return s
 
     def shutdown(self):
@@ -504,9 +506,11 @@ def get() -> Runtime:
 
 
 def stats() -> Stats:
-    """Counters: iterations, traces, fallbacks, graph_generations, coexecuted, phase, and the
-    time breakdown of the two runners (seconds)."""
-    return _runtime.snapshot_stats() if _runtime is not None else Stats()
+    """Counters: iterations, traces, fallbacks, graph_generations, coexecuted, phase, tapes
+    that ran plain, and the time breakdown of the two runners (seconds)."""
+    if _runtime is None:  # no tape has run under Terra: tapes may still have run plain
+        return Stats(plain_tapes=events.plain_tape_count())
+    return _runtime.snapshot_stats()
 
 
 def reset():

@@ -11,19 +11,19 @@ behind ``tf.GradientTape`` (:func:`enable`) never makes Terra construct itself.
 
 A tape steps aside and acts as a plain ``tf.GradientTape`` where co-execution cannot serve it:
 inside a ``tf.function`` being traced, in a thread other than the one running the training
-loop, and under a ``tf.distribute`` strategy (replica threads issue ops Terra would not see).
+loop, and under a ``tf.distribute`` strategy whose replicas run in threads of their own
+(``terra.distribute``).
 """
 
 import contextlib
 import sys
 import threading
 
-from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import backprop, context
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 
-from terra import events, marks, runtime
+from terra import distribute, events, marks, runtime
 from terra.config import config
 
 RealGradientTape = backprop.GradientTape
@@ -33,8 +33,9 @@ def _why_plain():
     """Why a tape entered now must act as a plain GradientTape, or None."""
     if not context.executing_eagerly():
         return "a tape inside a tf.function being traced"
-    if distribute_lib.has_strategy():
-        return "a tape under a tf.distribute strategy (its replicas run in their own threads)"
+    why = distribute.why_plain()
+    if why is not None:
+        return why
     owner = runtime.owner_thread()
     if owner is not None and owner != threading.get_ident():
         return "a tape in another thread than the training loop's"

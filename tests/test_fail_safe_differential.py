@@ -8,7 +8,6 @@
    gradient call, inside the optimizer's update after some variables were already updated by
    the graph) in a network with BatchNorm leaves every variable, moving statistics and
    optimizer slots included, as eager has it.
-3. Code under a ``tf.distribute`` strategy runs with plain tapes, never with wrong values.
 """
 
 import pytest
@@ -140,40 +139,6 @@ def test_fallback_at_every_point_keeps_every_variable_eager(where):
     outcome = assert_same_as_eager(batchnorm_program(where), 12, expect_fallbacks=(1, None),
                                    max_traces=6)
     assert outcome.stats_at(f"step{CHANGED}").coexecuted >= 1, outcome.report()
-
-
-# -- tf.distribute ----------------------------------------------------------------------
-
-
-def mirrored_two_cpus(tape_cls, steps):
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    tf.keras.utils.set_random_seed(0)
-    with strategy.scope():
-        _, model, optimizer, _ = mlp_task(steps, tf.keras.optimizers.SGD(0.05))
-    data = classification_data(steps * 16, 20, 5)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="sum")
-
-    def step_fn(x, y):
-        with tape_cls() as tape:
-            loss = loss_fn(y, model(x, training=True)) / 16.0
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        return loss
-
-    dataset = tf.data.Dataset.from_tensor_slices(data).batch(16)
-    losses = []
-    for x, y in strategy.experimental_distribute_dataset(dataset):
-        per_replica = strategy.run(step_fn, args=(x, y))
-        losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
-    return {"losses": losses, "model": [tf.convert_to_tensor(v) for v in model.variables]}
-
-
-def test_tapes_under_a_distribution_strategy_run_plain():
-    outcome = assert_same_as_eager(mirrored_two_cpus, 8, env={}, min_coexecuted=0)
-    assert "tf.distribute" in outcome.explain, outcome.report()
 
 
 # -- the cost budget --------------------------------------------------------------------

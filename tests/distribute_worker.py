@@ -1,0 +1,83 @@
+"""Programs of the tf.distribute tests, and the worker process of the multi-worker one.
+
+A strategy over two logical CPUs has to split the CPU before TensorFlow initialises its
+devices, and ``MultiWorkerMirroredStrategy`` configures the process's one eager context for its
+cluster, so these programs run in child processes: the single-host ones through
+``assert_same_as_eager(..., env=...)``, the multi-worker one as ``python distribute_worker.py``
+with ``TF_CONFIG`` set, once per worker. A worker runs its program eagerly, then under Terra,
+and prints one JSON line: both runs' results, ``terra.stats()`` and ``terra.explain()``.
+"""
+
+import json
+import sys
+
+import tensorflow as tf
+from differential import _encode, record_stats, run_both
+from tiny_models import classification_data, mlp, state
+
+GLOBAL_BATCH = 16
+
+
+def two_cpus():
+    """Split the CPU into two logical devices (once: the eager and the Terra run share it)."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if not tf.config.get_logical_device_configuration(cpu):
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def distributed_loop(strategy, tape_cls, steps):
+    """A custom training loop as TensorFlow's guide writes it: model and optimizer in the
+    strategy's scope, a per-replica step with the loss averaged over the global batch, the
+    step run by ``strategy.run`` and the replicas' losses summed.
+    Returns every step's loss, every variable and, per variable, every replica's copy."""
+    tf.keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = mlp(20, (16,), 5)
+        optimizer = tf.keras.optimizers.Adam(1e-2)
+    data = classification_data(steps * GLOBAL_BATCH, 20, 5)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def step_fn(x, y):
+        with tape_cls() as tape:
+            per_example = loss_fn(y, model(x, training=True))
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return loss
+
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
+    losses = []
+    for x, y in strategy.experimental_distribute_dataset(dataset):
+        per_replica = strategy.run(step_fn, args=(x, y))
+        losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
+        record_stats(f"step{len(losses)}")
+    copies = [list(strategy.experimental_local_results(v)) for v in model.variables]
+    return {"losses": losses, **state(model, optimizer), "replicas": copies}
+
+
+def mirrored(tape_cls, steps):
+    two_cpus()
+    return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
+                            steps)
+
+
+def one_device(tape_cls, steps):
+    """On the second logical CPU, so the strategy's device scope is not the default device."""
+    two_cpus()
+    return distributed_loop(tf.distribute.OneDeviceStrategy("/cpu:1"), tape_cls, steps)
+
+
+_strategy = []  # the process's one MultiWorkerMirroredStrategy, shared by both runs
+
+
+def multi_worker(tape_cls, steps):
+    if not _strategy:
+        _strategy.append(tf.distribute.MultiWorkerMirroredStrategy())
+    return distributed_loop(_strategy[0], tape_cls, steps)
+
+
+if __name__ == "__main__":
+    outcome = run_both(multi_worker, int(sys.argv[1]))
+    print(json.dumps(_encode({"eager": outcome.eager, "terra": outcome.terra,
+                              "stats": vars(outcome.stats), "explain": outcome.explain})))
