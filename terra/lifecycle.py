@@ -47,6 +47,7 @@ class GraphLifecycle:
         # tf.functions it calls, and its nodes in gradient regions
         self._size_of = (0, 0, 0)
         self._trace_size = (0, 0)  # the last trace's, the same way
+        self._merged = False  # whether a trace was merged into the TraceGraph
         self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
         self._note = note
@@ -105,9 +106,10 @@ class GraphLifecycle:
             len(rec.records) + functions.called(
                 r.op_type for r in rec.records if r.kind is NodeKind.OP),
             sum(r.body_len for r in rec.records if r.kind is NodeKind.GRAD))
-        if not self.tracegraph.nodes and self.waits_for_first_graph():
+        if not self._merged and self.waits_for_first_graph():
             return False  # not merged either: a graph that waits needs no TraceGraph yet
         regions_before = self.tracegraph.regions() if self._stats.graph_generations else None
+        self._merged = True
         try:
             covered, _ = self.tracegraph.merge(rec.records, any_path=self.folded())
         except Exception as err:  # noqa: BLE001 - the TraceGraph may be half-merged: stop
@@ -157,9 +159,9 @@ class GraphLifecycle:
         """(nodes, nodes in gradient regions) of the TraceGraph, or before it has any, of
         the last trace, counting those of the ``tf.function``s it calls: what a graph of it
         costs."""
-        nodes = self.tracegraph.nodes
-        if not nodes:
+        if not self._merged:
             return self._trace_size
+        nodes = self.tracegraph.nodes
         if self._size_of[0] != len(nodes):  # asked every iteration while waiting
             called = functions.called(n.op_type for n in nodes if n.kind is NodeKind.OP)
             self._size_of = (len(nodes), len(nodes) + called,
