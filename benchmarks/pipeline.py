@@ -56,9 +56,7 @@ def print_table1():
     print("|---|---|---|---|")
     for N in (4, 8):
         table = f.twobp_table1(N)
-        runs = {"gpipe": ("gpipe", "2bp-gpipe", N), "1f1b-1": ("1f1b", "2bp-1f1b", N),
-                "1f1b-2": ("1f1b", "2bp-1f1b", 2 * N)}
-        for row, (plain, split, micro) in runs.items():
+        for row, (plain, split, micro) in f.twobp_table1_runs(N).items():
             without = simulate(schedule(plain, N, micro), **TWO_BP).bubble_ratio
             with_2bp = simulate(schedule(split, N, micro), **TWO_BP).bubble_ratio
             print(f"| {N} | {row} | {without} / {table[row][0]} | {with_2bp} / "

@@ -56,9 +56,7 @@ def test_2bp_against_its_general_form(D, N):
 def test_2bp_table1_rows(N):
     """Table 1 has N = D pipeline processes; GPipe and 1F1B-1 run N micro-batches, 1F1B-2 2N."""
     table = f.twobp_table1(N)
-    runs = {"gpipe": ("gpipe", "2bp-gpipe", N), "1f1b-1": ("1f1b", "2bp-1f1b", N),
-            "1f1b-2": ("1f1b", "2bp-1f1b", 2 * N)}
-    for row, (plain, split, micro) in runs.items():
+    for row, (plain, split, micro) in f.twobp_table1_runs(N).items():
         without = simulate(schedule(plain, N, micro), **UNIT).bubble_ratio
         with_2bp = simulate(schedule(split, N, micro), **UNIT).bubble_ratio
         assert (without, with_2bp) == table[row], row

@@ -31,6 +31,12 @@ def twobp_table1(N):
             "1f1b-2": (F(N - 1, 3 * N - 1), F(N - 1, N - 1 + 6 * N))}
 
 
+def twobp_table1_runs(N):
+    """What each row of 2BP's Table 1 runs: (schedule without 2BP, with 2BP, micro-batches)."""
+    return {"gpipe": ("gpipe", "2bp-gpipe", N), "1f1b-1": ("1f1b", "2bp-1f1b", N),
+            "1f1b-2": ("1f1b", "2bp-1f1b", 2 * N)}
+
+
 def twobp_gpipe(D, N):
     """2BP on GPipe for any N (Table 1's row is N = D): every p2 waits for the last p1."""
     return F(2 * (D - 1), 2 * (D - 1) + 3 * N)
