@@ -21,7 +21,7 @@ setup(
         "cpu": [f"tensorflow-cpu=={TF}"],
         "gpu": [f"tensorflow=={TF}"],
         "bench": ["scikit-learn", "matplotlib"],
-        "test": ["pytest", "ruff", "scikit-learn"],
+        "test": ["pytest", "ruff", "scikit-learn", "matplotlib"],  # matplotlib: the profile view
         # The real-program corpus (benchmarks/corpus): libraries that would pull the full
         # `tensorflow` wheel next to tensorflow-cpu, so they are installed WITHOUT their
         # dependencies: pip install --no-deps <these> (docs/corpus.md has the exact line).
