@@ -13,7 +13,7 @@ trace had, so the picture shows the fallback, the new traces and the new graph a
 the steady state.
 
     python -m benchmarks.profile_view                     # docs/profile.png, 40 steps
-    python -m benchmarks.profile_view --out /tmp/p.png --steps 40
+    python -m benchmarks.profile_view --out profile.png --steps 40
 """
 
 from __future__ import annotations
