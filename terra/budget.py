@@ -23,8 +23,8 @@ which changes whenever recording gets cheaper. A first graph whose predicted sav
 iterations to pay for the graph, waits: the program runs eagerly (``waiting``) until the
 budget of the run affords the graph's estimated cost, so a wrong estimate costs at most the
 budget. The first trace already tells: a graph it predicts to wait is neither traced a second
-time nor merged (a trace costs one to three eager iterations of a small step). Over a short run such a
-program stays at eager's speed, over a long one it gets its graph.
+time nor merged (a trace costs one to three eager iterations of a small step). Over a short
+run such a program stays at eager's speed, over a long one it gets its graph.
 
 Nothing tells in advance whether a program will settle, and the next graphs are built if the
 last one was cheap (``Config.free_rebuilds``, each costing at most 20 eager iterations: a late
