@@ -63,6 +63,14 @@ def _convnet(tf):
 
 
 def _scored(tf):
+    return scored_model(tf, features=64, hidden=(128, 128), classes=10), {}, (64,), 10
+
+
+def scored_model(tf, features: int, hidden: tuple, classes: int):
+    """A Sequential MLP whose ``train_step`` fetches its predictions (``.numpy()``) and scores
+    them with scikit-learn's macro F1 and NumPy, reported in the step's logs and kept in
+    ``model.scores`` as ``(f1, hits, predictions)``: Python a graph-mode ``fit`` cannot run.
+    ``tf``: the caller's module, whose ``tf.keras`` is Keras 3 or tf_keras by environment."""
     from sklearn.metrics import f1_score
 
     class Scored(tf.keras.Sequential):
@@ -74,15 +82,20 @@ def _scored(tf):
             grads = tape.gradient(loss, self.trainable_variables)
             self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
             predicted = np.argmax(logits.numpy(), axis=1)  # graph mode cannot run this
-            f1 = f1_score(np.asarray(y), predicted, average="macro", labels=range(10),
-                          zero_division=0)
-            return {"loss": loss, "f1": float(f1)}
+            labels = np.asarray(y)
+            f1 = float(f1_score(labels, predicted, average="macro", labels=range(classes),
+                                zero_division=0))
+            hits = float(np.mean(predicted == labels))
+            self.scores.append((f1, hits, predicted))
+            return {"loss": loss, "f1": f1, "hits": hits}
 
-    model = Scored([tf.keras.Input((64,)), tf.keras.layers.Dense(128, activation="relu"),
-                    tf.keras.layers.Dense(128, activation="relu"), tf.keras.layers.Dense(10)])
+    model = Scored([tf.keras.Input((features,)),
+                    *[tf.keras.layers.Dense(n, activation="relu") for n in hidden],
+                    tf.keras.layers.Dense(classes)])
     model.loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True,
                                                                   reduction="none")
-    return model, {}, (64,), 10
+    model.scores = []
+    return model
 
 
 def run(model: str, mode: str, epochs: int, batches: int, batch: int, seed: int,

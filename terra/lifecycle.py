@@ -43,11 +43,11 @@ class GraphLifecycle:
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
         self._noted_first_wait = False  # explain() says why the first graph waits
-        # the TraceGraph's nodes, and what a graph of it costs: its nodes and those of the
-        # tf.functions it calls, and its nodes in gradient regions
-        self._size_of = (0, 0, 0)
-        self._trace_size = (0, 0)  # the last trace's, the same way
-        self._merged = False  # whether a trace was merged into the TraceGraph
+        # what a graph of the TraceGraph would cost, or before a trace was merged, of the
+        # last trace: its nodes and those of the tf.functions it calls, and its nodes in
+        # gradient regions (set at each merge, the only time the TraceGraph changes)
+        self._size = (0, 0)
+        self.merged = False  # whether a trace was merged into the TraceGraph
         self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
         self._note = note
@@ -102,14 +102,13 @@ class GraphLifecycle:
             raise GiveUp(why)
         if len(rec.records) > config.max_trace_ops:
             return None
-        self._trace_size = (
-            len(rec.records) + functions.called(
-                r.op_type for r in rec.records if r.kind is NodeKind.OP),
-            sum(r.body_len for r in rec.records if r.kind is NodeKind.GRAD))
-        if not self._merged and self.waits_for_first_graph():
-            return False  # not merged either: a graph that waits needs no TraceGraph yet
+        if not self.merged:
+            self._size = _cost_size(
+                rec.records, lambda r: r.body_len if r.kind is NodeKind.GRAD else 0)
+            if self.waits_for_first_graph():
+                return False  # not merged either: a graph that waits needs no TraceGraph yet
         regions_before = self.tracegraph.regions() if self._stats.graph_generations else None
-        self._merged = True
+        self.merged = True
         try:
             covered, _ = self.tracegraph.merge(rec.records, any_path=self.folded())
         except Exception as err:  # noqa: BLE001 - the TraceGraph may be half-merged: stop
@@ -117,6 +116,7 @@ class GraphLifecycle:
                 raise
             raise GiveUp(f"Terra error while merging a trace: {type(err).__name__}: "
                          f"{err}") from None
+        self._size = _cost_size(self.tracegraph.nodes, lambda n: n.in_body)
         if regions_before is not None:
             self._count_region_misses(regions_before)
         if config.check:
@@ -149,24 +149,11 @@ class GraphLifecycle:
         after the first trace too: a graph it predicts to wait is not traced again."""
         if self._stats.graph_generations:
             return False
-        why = self.ledger.first_graph(*self._size())
+        why = self.ledger.first_graph(*self._size)
         if why is not None and not self._noted_first_wait:
             self._note("waiting", why)
             self._noted_first_wait = True
         return why is not None
-
-    def _size(self):
-        """(nodes, nodes in gradient regions) of the TraceGraph, or before it has any, of
-        the last trace, counting those of the ``tf.function``s it calls: what a graph of it
-        costs."""
-        if not self._merged:
-            return self._trace_size
-        nodes = self.tracegraph.nodes
-        if self._size_of[0] != len(nodes):  # asked every iteration while waiting
-            called = functions.called(n.op_type for n in nodes if n.kind is NodeKind.OP)
-            self._size_of = (len(nodes), len(nodes) + called,
-                             sum(1 for n in nodes if n.in_body))
-        return self._size_of[1:]
 
     def may_build(self) -> bool:
         """While waiting: whether the run is now long enough for the budget to afford
@@ -174,7 +161,7 @@ class GraphLifecycle:
         generation's), so tracing starts again."""
         if self._stats.graph_generations:
             return self.ledger.affordable()
-        return self.ledger.first_graph(*self._size()) is None
+        return self.ledger.first_graph(*self._size) is None
 
     def _rebuild_allowed(self) -> bool:
         return self.ledger.rebuild_allowed(self._stats.graph_generations - 1,
@@ -274,3 +261,13 @@ class GraphLifecycle:
                        "this gradient call was recorded for: the next graph takes TF's "
                        "gradient through the switch-cases there (terra.regions)",
                        self.tracegraph.region_location(key))
+
+
+def _cost_size(items, in_region):
+    """(nodes, nodes in gradient regions) a graph of ``items`` (trace records or TraceGraph
+    nodes) costs to build: the bodies of the ``tf.function``s they call count too (TF
+    instantiates them at the graph's first call that reaches them); ``in_region(item)``:
+    how many gradient-region nodes the item stands for."""
+    items = list(items)
+    called = functions.called(i.op_type for i in items if i.kind is NodeKind.OP)
+    return len(items) + called, sum(in_region(i) for i in items)

@@ -254,8 +254,8 @@ class Runtime:
             covered = self.lifecycle.merge(rec)
             if covered is not None:
                 self.stats.traces += 1
-            if covered is False and self.lifecycle.waits_for_first_graph():
-                self.phase = "waiting"  # no second trace for a graph that would wait
+            if covered is False and not self.lifecycle.merged:
+                self.phase = "waiting"  # the first trace predicts the graph would wait
                 return
             if not covered:
                 return

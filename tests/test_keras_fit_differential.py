@@ -16,7 +16,6 @@ import contextlib
 import io
 import re
 
-import numpy as np
 import pytest
 import tensorflow as tf
 from differential import assert_same_as_eager
@@ -164,35 +163,12 @@ def test_tf_keras_fit_run_eagerly_coexecutes(program):
 
 
 def _scored_model():
-    """A Sequential whose ``train_step`` fetches its predictions (``.numpy()``) and scores them
-    with scikit-learn's macro F1 and NumPy, reported in the step's logs: Python a graph-mode
-    ``fit`` cannot run. Built per call: ``tf.keras`` is Keras 3 or tf_keras by environment."""
-    from sklearn.metrics import f1_score
+    """``benchmarks.keras_fit.scored_model``: a ``train_step`` that fetches its predictions
+    (``.numpy()``) and scores them with scikit-learn and NumPy, Python a graph-mode ``fit``
+    cannot run. Built per call: ``tf.keras`` is Keras 3 or tf_keras by environment."""
+    from benchmarks.keras_fit import scored_model
 
-    class Scored(tf.keras.Sequential):
-        scores = []
-
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                logits = self(x, training=True)
-                loss = tf.reduce_mean(self.loss_fn(y, logits))
-            grads = tape.gradient(loss, self.trainable_variables)
-            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-            predicted = np.argmax(logits.numpy(), axis=1)
-            labels = np.asarray(y)
-            f1 = float(f1_score(labels, predicted, average="macro", labels=range(CLASSES),
-                                zero_division=0))
-            hits = float(np.mean(predicted == labels))
-            self.scores.append((f1, hits, predicted))
-            return {"loss": loss, "f1": f1, "hits": hits}
-
-    model = Scored([tf.keras.Input((FEATURES,)), tf.keras.layers.Dense(16, activation="relu"),
-                    tf.keras.layers.Dense(CLASSES)])
-    model.loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="none")
-    model.scores = []
-    return model
+    return scored_model(tf, features=FEATURES, hidden=(16,), classes=CLASSES)
 
 
 def fit_with_sklearn_in_train_step(tape_cls, steps, epochs=2):
