@@ -34,11 +34,15 @@ def test_profiled_run_read_back_on_its_threads_and_drawn(tmp_path):
     assert {sp.name for sp in graph.spans} == {"terra_graph_step"}
     assert all(not t.spans and t.ops for t in executors)
 
-    # every co-executed iteration that ended in the trace ran as a graph call of its number,
-    # and the phases are outermost on the loop's thread, the waits inside them
+    # every co-executed iteration that ended in the trace ran as a graph call of its number
+    # (but the one the fallback left: its graph call may be cancelled before it starts), and
+    # the phases are outermost on the loop's thread, the waits inside them
     coexecuted = {sp.step for sp in loop.spans if sp.name == "terra_coexecute"}
+    fallback = next(sp for sp in loop.spans if sp.name == "terra_fallback")
+    left = max(sp.step for sp in loop.spans
+               if sp.name == "terra_coexecute" and sp.start < fallback.start)
     calls = {sp.step: sp for sp in graph.spans}
-    assert len(coexecuted) >= 3 and coexecuted <= set(calls), (coexecuted, sorted(calls))
+    assert len(coexecuted) >= 3 and coexecuted - {left} <= set(calls), (coexecuted, sorted(calls))
     assert all(sp.depth == 0 for sp in loop.spans if sp.name in profile_view.PHASES)
     assert any(sp.depth == 1 for sp in loop.spans if sp.name == "terra_job_wait")
     # the graph's kernels ran on the inter-op threads while a graph call was under way
