@@ -23,7 +23,7 @@ import collections
 import itertools
 
 import numpy as np
-from tensorflow.python.framework import constant_op, ops, tensor_shape, tensor_util
+from tensorflow.python.framework import constant_op, ops, tensor_shape
 from tensorflow.python.ops import (
     array_ops,
     control_flow_switch_case,
@@ -34,6 +34,7 @@ from tensorflow.python.ops import (
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from terra import opdefs
+from terra.folding import static_value
 from terra.graph_ops import call_function, keep_eager_rounding, mark_for_xla, placeholder
 from terra.keys import Out, Phi, Read, spec, value_key
 from terra.nodes import NodeKind, SlotKind, relax
@@ -94,6 +95,7 @@ class Emitter:
         self._top = None
         self._outer = {}  # id -> the top graph's capture of an eager tensor
         self._consts = {}  # one Const op per value per graph (and XLA scope)
+        self._static = {}  # graph tensor -> its value in every iteration, or None (folding)
         self._dispatch = {NodeKind.OP: self._emit_op, NodeKind.GRAD: self._emit_region,
                           NodeKind.LOOP: self._emit_loop, NodeKind.MARK: _emit_nothing}
 
@@ -376,7 +378,7 @@ class Emitter:
         self._note_dynamic(step, k, t)
         wanted = k in node.fetched or k in node.escaped or (node, k) in self.wanted
         if wanted or step.dynamic and node not in self.unseen:
-            value = tensor_util.constant_value(t) if wanted else None
+            value = static_value(t, self._static) if wanted else None
             if value is not None:
                 with ops.init_scope():
                     step.static[k] = constant_op.constant(value)
