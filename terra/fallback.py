@@ -55,15 +55,20 @@ class LoggedMark:
 
 @dataclasses.dataclass(slots=True)
 class LoggedSkip:
-    """A library call Python skipped (``terra.library_regions``): its ``call`` mark, and the
-    steps to its ``return`` mark, which the replay runs from the plan (their inputs are the
-    graph's: earlier steps' outputs, variables and constants); ``stopped`` as for an op."""
+    """A library call Python skipped (``terra.library_regions``, ``terra.layer_regions``):
+    its ``call`` mark, and the steps to its ``return`` mark, which the replay runs from the
+    plan (their inputs are the graph's: earlier steps' outputs, variables and constants, or
+    the call's arguments Python fed, ``fed``); ``stopped`` as for an op. ``outputs``: the
+    entries of the stand-ins a skipped layer call returned, which the replay gives values."""
 
     step: object
     inputs: list
     steps: list
     stopped: bool
+    fed: dict = dataclasses.field(default_factory=dict)  # (op index, input) -> tensor
+    outputs: list = ()
     values: dict = None  # once replayed: (node, out) -> (order, value), ``_replayed``
+    reads: dict = None  # ... and node -> (order, inputs) of its ops
 
 
 @dataclasses.dataclass(slots=True)
@@ -234,20 +239,25 @@ def _replay_skip(logged, before, recorder, tapes, ctx):
     each recorded at the executed location it was traced at, on the replayed values of its
     producers (``before``: the log replayed so far)."""
     values, reads = _replayed(before)
-    logged.values = values
-    step = logged.step
+    logged.values, logged.reads = values, reads
+    step, fed = logged.step, logged.fed
     recorder.mark("call", step.attrs, [_real(x) for x in logged.inputs])
     ops = logged.steps[:-1]
     for j, s in enumerate(ops):
         node = s.node
         recorder.override = (node.location, node.site)
-        args = [_skipped_input(slot, values, reads) for slot in s.slots]
+        args = [fed[(j, k)] if (j, k) in fed else _skipped_input(slot, values, reads)
+                for k, slot in enumerate(s.slots)]
         order = len(before) + (j + 1) / (len(ops) + 1)  # after the call, before what follows
+        reads[node] = (order, args)
         for k, r in enumerate(_execute(node, args, logged.stopped, tapes, recorder, ctx)):
             values[(node, k)] = (order, r)
-    end = logged.steps[-1].node
-    recorder.override = (end.location, end.site)
-    recorder.mark("return", logged.steps[-1].attrs)
+    end = logged.steps[-1]
+    recorder.override = (end.node.location, end.node.site)
+    returned = [_skipped_input(slot, values, reads) for slot in end.slots]
+    recorder.mark("return", end.attrs, returned)
+    for entry in logged.outputs:
+        entry.value = values[(entry.step.node, entry.out)][1]
 
 
 def _replayed(before):
@@ -266,6 +276,7 @@ def _replayed(before):
                 values[(earlier.step.node, k)] = (order, t)
         elif kind is LoggedSkip:
             values.update(earlier.values)
+            reads.update(earlier.reads)
         if kind in (LoggedOp, LoggedPythonOp):
             reads[earlier.step.node] = (order, earlier.inputs)
     return values, reads

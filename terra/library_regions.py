@@ -176,8 +176,8 @@ class LibraryRegions:
         before = attributes(opt)
         if state.off is None and state.last is not None and before != state.last:
             self._off(opt, state, "its Python attributes changed between two calls: "
-                      + _changed(state.last, before))
-        tensors, leaves = _flatten(args, kwargs)
+                      + changed_names(state.last, before))
+        tensors, leaves = flatten_call(args, kwargs)
         if state.off is None and leaves is None:
             self._off(opt, state, "an argument is neither a tensor, a variable nor a number")
         if state.off is not None:
@@ -191,7 +191,7 @@ class LibraryRegions:
         after = attributes(opt)
         if state.last is not None and after != before:
             self._off(opt, state, "the update changed its Python attributes: "
-                      + _changed(before, after))
+                      + changed_names(before, after))
         state.last = after
 
     def _return(self, rt, attrs):
@@ -241,12 +241,12 @@ def attributes(obj, nested=True):
     return tuple(parts)
 
 
-def _changed(old, new):
+def changed_names(old, new):
     names = [n[0] for n in set(new) - set(old)] + [o[0] for o in set(old) - set(new)]
     return ", ".join(sorted(set(names))) or "their order"
 
 
-def _flatten(args, kwargs):
+def flatten_call(args, kwargs):
     """The call's tensors (a variable as its handle), the mark's inputs, and the structure
     a skipped call must have had (``"t"`` for a tensor, any other leaf by value); None for
     the structure if a leaf is something else."""

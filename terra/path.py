@@ -90,6 +90,44 @@ def skippable(call):
         steps.append(s)
 
 
+def skippable_layer(call):
+    """The steps from a layer call's ``call`` mark to its ``return`` mark, if Python may skip
+    them all and take stand-ins for what the call returned (``terra.layer_regions``): as for
+    :func:`skippable`, but the region's ops may read the call's tensor arguments, which Python
+    feeds (``feeds``: (op index, input, argument) from the call mark's attrs), and the graph
+    may fetch what the call returned (Python reads it after the call) but nothing else; every
+    output shape fixed (one input shape signature of the call, none of its ops' outputs
+    varying), so the stand-ins' shapes are the recorded ones. None otherwise."""
+    template, feeds = call.attrs[-2:]
+    if call.looped or template is None or len(call.node.sigs) != 1:
+        return None
+    steps, s = [], call
+    while True:
+        if len(s.next) != 1 or s.next[0] is None:
+            return None
+        s = s.next[0]
+        if s.kind is NodeKind.MARK:
+            break
+        if s.kind is not NodeKind.OP or s.python or s.dynamic or s.looped or s.check_shapes:
+            return None
+        steps.append(s)
+    if s.op_type != "return":
+        return None
+    region = {step.node for step in steps}
+    if any(slot.kind is not SlotKind.NODE or len(slot.alts) != 1 or
+           slot.alts[0][0] not in region for slot in s.slots):
+        return None
+    returned = {slot.alts[0] for slot in s.slots}
+    fed = {(j, k) for j, k, _ in feeds}
+    for j, step in enumerate(steps):
+        if any(channel is not None and (step.node, k) not in returned
+               for k, channel in enumerate(step.fetch)):
+            return None
+        if any(not _settled(slot) and (j, k) not in fed for k, slot in enumerate(step.slots)):
+            return None
+    return steps + [s]
+
+
 def _settled(slot):
     """An input the graph has without Python: an output of a node (the one that ran last, if
     several can produce it: the graph selects it as the path did), a variable, a capture, a

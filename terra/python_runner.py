@@ -308,6 +308,53 @@ class PythonRunner:
             raise
         return True
 
+    def layer_call(self, attrs, tensors, stopped):
+        """A Keras layer's call begins (``terra.layer_regions``): match its ``call`` mark (on
+        ``attrs``; what the traces found it returned and read is in the mark's last two)
+        and, if the plan runs the region straight through (``path.skippable_layer``) for
+        these input shapes, feed the arguments its ops read, move past its ``return`` mark
+        and return (the call's output template, stand-ins for the tensors it returned); the
+        layer's Python is then not run at all. Returns False if it is not skipped."""
+        it = self.it
+        n = len(attrs)
+        step = self._expect(NodeKind.MARK, "call", lambda s: s.attrs[:n] == attrs)
+        if step.attrs[:n] != attrs:
+            raise Divergence("layer call with different arguments or layer settings",
+                             "attribute change")
+        inputs = self.checks.inputs(it, step, list(tensors), feed=False)
+        skipped = self._skips.get(step, False)
+        if skipped is False:
+            skipped = self._skips[step] = path.skippable_layer(step)
+        if skipped is None or \
+                tuple(t._shape_tuple() for t in tensors) not in step.node.sigs:
+            it.log.append(LoggedMark(step, inputs, None))
+            self._logged_move(step, None)
+            return False
+        fed = {(j, k): self.checks.argument(it, skipped[j], k, tensors[a])
+               for j, k, a in step.attrs[-1]}
+        returned = {}  # step -> [(out, position among the returned tensors)]
+        for position, slot in enumerate(skipped[-1].slots):
+            node, out = slot.alts[0]
+            returned.setdefault(self.step_of[node], []).append((out, position))
+        flat = [None] * len(skipped[-1].slots)
+        result = step.attrs[-2], flat
+        logged = LoggedSkip(step, inputs, skipped, stopped, fed)
+        it.log.append(logged)
+        try:
+            self._move(step)
+            for s in skipped:
+                if self.cur.puts is not None:
+                    self._take(self.cur, 0)
+                for out, position in returned.get(s, ()):
+                    flat[position] = self._result(s.node, out)
+                self._move(s)
+        except GraphFailed as failed:
+            failed.ran, failed.result = True, result  # the replay ran the region
+            raise
+        finally:
+            logged.outputs = [self.tensors[x._id] for x in flat if x is not None]
+        return result
+
     def custom_gradient(self, op_type, outputs, inputs, backward):
         """``tf.custom_gradient`` recorded its backward function for outputs of ops already
         matched: keep it (stand-ins by their entries) for a replay."""

@@ -29,7 +29,16 @@ import traceback
 from tensorflow.python.eager import context
 from tensorflow.python.framework import errors
 
-from terra import events, hooks, interception, library_regions, profiling, syncs, verify
+from terra import (
+    events,
+    hooks,
+    interception,
+    layer_regions,
+    library_regions,
+    profiling,
+    syncs,
+    verify,
+)
 from terra import fallback as fallback_lib
 from terra.config import config
 from terra.divergence import (
@@ -63,6 +72,7 @@ class Stats:
     graph_exec: float = 0.0  # seconds the GraphRunner spent in graph calls
     graph_idle: float = 0.0  # seconds the GraphRunner waited for the next iteration
     skipped_calls: int = 0  # library calls (optimizer updates) the skeleton skipped
+    skipped_layer_calls: int = 0  # Keras layer calls the skeleton skipped (layer_regions)
     verified: int = 0  # iterations verify mode ran again eagerly and compared (terra.verify)
     verify_differences: int = 0  # values and variables they found differing from eager's
     verify_time: float = 0.0  # seconds verify mode took (not booked to Terra's ledger)
@@ -96,8 +106,10 @@ class Runtime:
         self.coexec_door = CoexecDoor(self)
         self.marks = TapeMarks(self)
         self.regions = library_regions.LibraryRegions(self.events.note)
+        self.layers = layer_regions.LayerRegions(self.events.note)
         self.verifier = verify.Verifier(self.stats)
         library_regions.install()
+        layer_regions.install()
         hooks.install()
         interception.install()
         interception.set_handler(self.tracing_door)
@@ -458,6 +470,7 @@ class Runtime:
             s.graph_exec = self._graph_runner.busy_time
             s.graph_idle = self._graph_runner.idle_time
         s.skipped_calls = self.regions.skipped
+        s.skipped_layer_calls = self.layers.skipped
         s.plain_tapes = events.plain_tape_count()
         return s
 

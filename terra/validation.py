@@ -14,7 +14,7 @@ from tensorflow.python.framework import constant_op, dtypes, ops
 
 from terra import opdefs
 from terra.divergence import Divergence, RegionMissed
-from terra.fallback import LoggedOp, LoggedPythonOp
+from terra.fallback import LoggedOp, LoggedPythonOp, LoggedSkip
 from terra.nodes import SlotKind
 from terra.standins import Entry
 from terra.trace import signature_part
@@ -105,6 +105,13 @@ class Validation:
                     it.took[slot] = (e.step.node, e.out)
             log.append(e)
         return log
+
+    def argument(self, it, step, i, a):
+        """Check and feed ``a``, a skipped layer call's argument that input ``i`` of its op
+        ``step`` reads (``terra.layer_regions``): what Python would have fed running the op."""
+        if type(a) is not _EagerTensor:
+            raise _bad(step, i, "is no longer a tensor")
+        return self._external(it, step, i, step.slots[i], a, self.tensors.get(a._id), True)
 
     def _external(self, it, step, i, slot, a, e, feed):
         """Check a tensor input of a slot other than ``node`` (``e``: its entry if it is a
@@ -239,9 +246,12 @@ def _unreached_source(it, step, inputs, tensors):
     along inputs TF's gradient functions give a gradient (TF's gradient through the
     switch-cases would give zeros for it where the tape gives None)."""
     n_target, n_sources = step.attrs[1], step.attrs[2]
-    made_by = {}
+    made_by, produced, kept = {}, {}, []
     for entry in it.log:
         kind = type(entry)
+        if kind is LoggedSkip:
+            _skipped_flows(entry, made_by, produced, kept)
+            continue
         if kind is LoggedOp and entry.stopped:  # issued with recording paused
             continue
         if kind is not LoggedOp and kind is not LoggedPythonOp:  # marks, gradient calls
@@ -256,6 +266,7 @@ def _unreached_source(it, step, inputs, tensors):
             if dtypes.as_dtype(logged.out_specs[k][1]).is_floating:
                 out = tensors.get(out._id, out) if type(out) is _EagerTensor else out
                 made_by[id(out)] = reads
+                produced[(logged.node, k)] = out
     reached, stack = set(), list(inputs[:n_target])
     while stack:
         x = stack.pop()
@@ -299,3 +310,51 @@ def shape_ok(shape, want):
 
 def _bad(step, i, what, category="new producer"):
     return Divergence(f"input {i} of {step.op_type} {step.node!r} {what}", category)
+
+
+def _skipped_flows(logged, made_by, produced, kept):
+    """Add what the ops of a skipped layer call (``logged``, a ``LoggedSkip``) read to
+    ``made_by``, as :func:`_unreached_source` does for ops Python ran: their values are
+    stood for by placeholders (kept alive in ``kept``: ``made_by`` is keyed by ``id``), the
+    stand-ins the call returned by theirs. An input whose value is not known here flows to
+    nothing: a source then looks unreached, which only costs a fallback."""
+    if logged.stopped:
+        return
+    local = {}
+    for j, s in enumerate(logged.steps[:-1]):
+        ins = []
+        for k, slot in enumerate(s.slots):
+            if (j, k) in logged.fed:
+                ins.append(logged.fed[(j, k)])
+            elif slot.kind is SlotKind.NODE:
+                key = slot.alts[0]
+                ins.append(local.get(key, produced.get(key)))
+            elif slot.kind is SlotKind.VAR:
+                ins.append(slot.tensor)
+            else:
+                ins.append(None)
+        flows = opdefs.gradient_flows(s.op_type, s.attrs, tuple(
+            _node_dtype(*slot.alts[0]) if slot.kind is SlotKind.NODE else
+            slot.tensor._datatype_enum() if slot.kind is SlotKind.VAR else slot.dtype
+            for slot in s.slots))
+        reads = [x for x, flows_to in zip(ins, flows, strict=True) if flows_to and x is not None]
+        for k, (_, dtype) in enumerate(s.out_specs):
+            if dtypes.as_dtype(dtype).is_floating:
+                value = local[(s.node, k)] = _Value()
+                kept.append(value)
+                made_by[id(value)] = reads
+    for e in logged.outputs:
+        value = local.get((e.step.node, e.out))
+        if value is not None:
+            made_by[id(e)] = [value]
+            produced[(e.step.node, e.out)] = e
+
+
+def _node_dtype(node, out):
+    return node.out_specs[out][1]
+
+
+class _Value:
+    """A placeholder for a value a skipped op computed (:func:`_skipped_flows`)."""
+
+    __slots__ = ()

@@ -1,0 +1,332 @@
+"""Layer regions: a call of a built-in Keras layer the skeleton skips, returning stand-ins.
+
+After the optimizer update, the forward pass is where the co-executed Python spends its time:
+Keras' ``Layer.__call__`` resolves arguments, masks, dtypes and name scopes, then the layer's
+``call`` issues its ops, every step, although the graph holds those ops and Python looks at
+none of their values. A call of a layer whose whole Python is Keras' own is therefore
+recorded between two marks, like a library region (``terra.library_regions``): ``call``
+(its tensor arguments as inputs) and ``return`` (the tensors it returned). Where the plan runs
+the ops between them straight through (``path.skippable_layer``), the PythonRunner feeds the
+arguments the ops read, moves past the region, and hands Python stand-ins for what the call
+returned (``PythonRunner.layer_call``); ``Layer.__call__`` is not run at all.
+
+Skipping Python is right only if it would have issued the same ops, so a call is guarded like
+a compiler guards a specialization:
+
+- the layer, and every layer inside it, is an instance of a Keras class (not a subclass the
+  user wrote, not ``Lambda`` or a preprocessing layer, whose Python is the user's or reads
+  data), with no activity regularizer and no function of the user's among its attributes
+  (an activation given as a Python function);
+- its tensor arguments are the same producers as in the traces and have the traced shapes;
+  its other arguments (``training=True``) are equal; so is what Keras' call context passes
+  down (the ``training`` of an outer call) and the autocast scope;
+- the Python attributes of the layer and of each layer inside it (numbers and strings by
+  value, anything else by identity: ``Dropout.rate``, a sublayer replaced) are what they
+  were when it was traced; a call that changes them itself (other than its first, which
+  builds the layer), or attributes changed from outside between two calls, turn its regions
+  off for the rest of the run, with an ``explain()`` note;
+- what it returned is tensors the region's ops produced, or its own arguments, in lists,
+  tuples and dicts: no Keras mask on them, no loss added on the way.
+
+Calls nested inside a region are part of it; a layer that is no region (the user's own
+subclass) runs as usual and its built-in sublayers are regions of their own.
+"""
+
+import functools
+import importlib
+import inspect
+import re
+import sys
+import threading
+import types
+import weakref
+
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+from tensorflow.python.util import nest
+
+from terra import runtime
+from terra.library_regions import attributes, changed_names, flatten_call
+from terra.location import user_location
+from terra.nodes import ExtRef
+
+_EagerTensor = ops.EagerTensor
+_KERAS = "keras.src."
+# Keras classes whose Python is the user's or reads data: never a region.
+_EXCLUDED = ("keras.src.layers.core.lambda_layer", "keras.src.layers.preprocessing",
+             "keras.src.export", "keras.src.utils.jax_layer", "keras.src.utils.torch_utils")
+_LIBRARIES = ("keras.", "tensorflow.", "numpy", "builtins", "math")
+_installed = []
+
+
+def install():
+    """Wrap Keras 3's ``Layer.__call__`` if Keras 3 is imported already."""
+    module = sys.modules.get("keras.src.layers.layer")
+    if _installed or module is None:
+        return
+    cls = module.Layer
+    _installed.append(cls)
+    original = cls.__call__
+
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        rt = runtime.current()
+        if rt is None or rt.phase not in ("tracing", "coexecution") or rt.layers.depth or \
+                rt.regions.depth or not context.executing_eagerly() or \
+                rt.owner != threading.get_ident():
+            return original(self, *args, **kwargs)
+        return rt.layers.call(rt, original, self, args, kwargs)
+
+    cls.__call__ = __call__
+
+
+class _State:
+    """What one runtime knows of one layer: the attributes of it and its sublayers after its
+    last call, and why its calls are no regions (None while they are)."""
+
+    __slots__ = ("last", "off")
+
+    def __init__(self, off):
+        self.last = None
+        self.off = off
+
+
+class LayerRegions:
+    """The layer regions of one runtime: the state per layer, and how many calls
+    co-execution skipped."""
+
+    def __init__(self, note):
+        self.note = note  # EventLog.note
+        self.depth = 0  # inside a region: nested layer calls are part of it
+        self.skipped = 0
+        self._states = weakref.WeakKeyDictionary()
+
+    def call(self, rt, original, layer, args, kwargs):
+        # one line calls a layer that is no region: the ops its call issues are located by
+        # their call stack, which must be the same in every iteration
+        guard = self._region_guard(rt, layer, args, kwargs)
+        if guard is None:
+            return original(layer, *args, **kwargs)
+        self.depth += 1
+        try:
+            return self._region(rt, original, layer, *guard, args, kwargs)
+        finally:
+            self.depth -= 1
+
+    def _region_guard(self, rt, layer, args, kwargs):
+        """None if this call is no region, else (state, attributes, attrs, tensors)."""
+        state = self._states.get(layer)
+        if state is None:
+            state = self._states[layer] = _State(_ineligible(layer))
+        if state.off is not None:
+            return None
+        try:
+            guard = self._guard(layer, state, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - Terra's own failure: the call runs as usual
+            rt.fail_safe(err)
+            state.off = f"Terra error {type(err).__name__}"
+            return None
+        return None if guard is None else (state, *guard)
+
+    def _region(self, rt, original, layer, state, before, attrs, tensors, args, kwargs):
+        if rt.phase == "coexecution" and rt.runner.it is not None:
+            stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+            at = rt.runner.cur
+            try:
+                skipped = rt.runner.layer_call(attrs, tensors, stopped)
+            except Exception as why:  # noqa: BLE001 - as an op's: a call past the end of the
+                # path (a model evaluated after the loop) closes the iteration
+                skipped = why.result if rt.handle(why, at) else None
+            if type(skipped) is tuple:  # skipped, or run by the replay of a fallback
+                self.skipped += 1
+                return _decode(*skipped, tensors)
+        record = rt.recorder.mark("call", attrs, tensors) if rt.phase == "tracing" else None
+        begin = len(rt.recorder.records) if record is not None else 0
+        outputs = original(layer, *args, **kwargs)
+        try:
+            self._after(layer, state, before)
+            returned, found = _encode(outputs, tensors)
+            if record is not None:  # what the traces tell about the region, for the skip
+                feeds = _argument_reads(rt.recorder, begin, tensors)
+                record.attrs = attrs + (found if state.off is None else None, feeds)
+        except Exception as err:  # noqa: BLE001 - as above
+            rt.fail_safe(err)
+            state.off, returned = f"Terra error {type(err).__name__}", []
+            if record is not None:
+                record.attrs = attrs + (None, ())
+        self._return(rt, returned)
+        return outputs
+
+    def _guard(self, layer, state, args, kwargs):
+        """Before a call: None if it is no region (and why, noted once), else the layer's
+        attributes, the call mark's attrs and its tensors."""
+        if not layer.built:  # its first call builds it: variables made, no region
+            return None
+        before = _attributes(layer)
+        if state.last is not None and before != state.last:
+            return self._off(layer, state, "its Python attributes changed between two calls: "
+                             + _changed(layer, state.last, before))
+        tensors, leaves = flatten_call(args, kwargs)
+        if leaves is None:
+            return self._off(layer, state, "an argument is neither a tensor nor a number")
+        scope = _call_scope(layer)
+        if scope is None:
+            return self._off(layer, state, "it is called inside a stateless scope")
+        # the attributes are not in the attrs: any change since the last call turns the
+        # regions off, so those of a skipped call are those of the traced ones
+        return before, (f"{type(layer).__qualname__}.__call__", leaves, scope), tensors
+
+    def _after(self, layer, state, before):
+        """The call ran: one that changed the layer's attributes (after its first call,
+        which builds it) or added a loss turns its regions off."""
+        after = _attributes(layer)
+        if state.last is not None and after != before:
+            self._off(layer, state, "the call changed its Python attributes: "
+                      + _changed(layer, before, after))
+        elif any(sub._losses for sub in layer._flatten_layers()):
+            self._off(layer, state, "its call added a loss")
+        state.last = after
+
+    def _return(self, rt, returned):
+        """The region's end: matched in co-execution (the per-op path), recorded in a trace."""
+        attrs = ("return",)
+        if rt.phase == "coexecution" and rt.runner.it is not None and \
+                rt.marks.coexec(lambda: rt.runner.mark("return", attrs, returned, None)):
+            return
+        if rt.phase == "tracing":
+            rt.recorder.mark("return", attrs, returned)
+
+    def _off(self, layer, state, why):
+        state.off = why
+        self.note("layer region off", f"{type(layer).__name__} {layer.name!r}: {why}; its "
+                  "calls run their Python", user_location())
+
+
+def _ineligible(layer):
+    """Why ``layer``'s calls cannot be regions, or None."""
+    for sub in layer._flatten_layers():
+        cls = type(sub)
+        module = cls.__module__
+        if not module.startswith(_KERAS) or module.startswith(_EXCLUDED):
+            return f"{module}.{cls.__qualname__} is not Keras' own layer class"
+        if getattr(sub, "activity_regularizer", None) is not None:
+            return f"{sub.name!r} has an activity regularizer"
+        for name, value in vars(sub).items():
+            if isinstance(value, (types.FunctionType, types.MethodType)) and \
+                    not getattr(value, "__module__", "").startswith(_LIBRARIES) and \
+                    getattr(value, "__self__", None) is not sub:
+                return f"{sub.name!r}.{name} is a function of the user's"
+    return None
+
+
+def _attributes(layer):
+    """The Python attributes of ``layer`` and of every layer inside it (but a model's
+    training-loop state, which its ``call`` does not read: ``fit`` changes it every epoch)."""
+    trainer = _trainer_state()
+    return tuple(tuple(a for a in attributes(sub) if a[0] not in trainer)
+                 for sub in layer._flatten_layers())
+
+
+@functools.cache
+def _trainer_state():
+    """The attributes Keras' trainer sets on a model (``self.<name> = ...`` in its
+    modules): ``stop_training``, ``history``, the compiled step functions, the iterators."""
+    names = set()
+    for module in ("keras.src.trainers.trainer", "keras.src.backend.tensorflow.trainer"):
+        source = inspect.getsource(importlib.import_module(module))
+        names.update(re.findall(r"\bself\.(\w+)\s*=(?!=)", source))
+    return frozenset(names)
+
+
+def _changed(layer, old, new):
+    """Which attributes of which of ``layer``'s layers differ between ``old`` and ``new``."""
+    return "; ".join(f"{sub.name}: {changed_names(a, b)}" for sub, a, b in
+                     zip(layer._flatten_layers(), old, new, strict=False) if a != b) or \
+        "its layers"
+
+
+def _call_scope(layer):
+    """What Keras passes down to the call besides its arguments: the call context's values
+    of the arguments it propagates (``training``) and the autocast scope's dtype. None
+    inside a stateless scope (its variables are not the layer's)."""
+    from keras.src import backend
+    from keras.src.backend.common import global_state
+
+    if backend.in_stateless_scope():
+        return None
+    ctx = global_state.get_global_attribute("current_call_ctx")
+    passed = () if ctx is None else tuple(
+        (name, ctx.get_value(name)) for name in sorted(layer._call_context_args))
+    autocast = backend.get_autocast_scope()
+    return passed, None if autocast is None else str(autocast.dtype)
+
+
+def _encode(outputs, arguments):
+    """(the tensors among ``outputs`` that are not the call's own ``arguments``, the
+    structure of ``outputs`` as a hashable template: ``("t",)`` for the next such tensor,
+    ``("arg", i)`` for argument ``i``, ``("v", x)`` for a number), or a None template if
+    the outputs are something else (a Keras mask on a tensor, another object). Plain
+    recursion, no closure: a recursive closure is a reference cycle, which would keep the
+    tensors alive past the iteration until the garbage collector ran (an escape)."""
+    by_id = {t._id: i for i, t in enumerate(arguments)}
+    returned = []
+    try:
+        template = _encoded(outputs, by_id, returned)
+    except _NotARegion:
+        return [t for t in nest.flatten(outputs) if type(t) is _EagerTensor and
+                t._id not in by_id], None
+    return returned, template
+
+
+def _encoded(x, by_id, returned):
+    kind = type(x)
+    if kind is _EagerTensor:
+        if getattr(x, "_keras_mask", None) is not None:
+            raise _NotARegion
+        if x._id in by_id:
+            return ("arg", by_id[x._id])
+        returned.append(x)
+        return ("t",)
+    if kind in (int, float, bool, str, type(None)):
+        return ("v", x)
+    if kind in (list, tuple):
+        return (kind.__name__, tuple(_encoded(v, by_id, returned) for v in x))
+    if kind is dict:
+        return ("dict", tuple((k, _encoded(v, by_id, returned)) for k, v in x.items()))
+    raise _NotARegion
+
+
+class _NotARegion(Exception):
+    pass
+
+
+def _argument_reads(recorder, begin, arguments):
+    """(op index in the region, input, argument index) of every input of the region's ops
+    (``recorder.records[begin:]``) that read one of the call's ``arguments`` as an external
+    tensor: what Python feeds when it skips the call."""
+    by_id = {t._id: i for i, t in enumerate(arguments)}
+    return tuple((j, k, by_id[ref.tensor._id])
+                 for j, record in enumerate(recorder.records[begin:])
+                 for k, ref in enumerate(record.inputs)
+                 if type(ref) is ExtRef and ref.tensor._id in by_id)
+
+
+def _decode(template, flat, arguments):
+    """The structure a skipped call returns: its ``template`` (the call mark's) filled with
+    the stand-ins ``flat`` and the call's ``arguments``."""
+    return _decoded(template, iter(flat), arguments)
+
+
+def _decoded(code, tensors, arguments):
+    kind = code[0]
+    if kind == "t":
+        return next(tensors)
+    if kind == "arg":
+        return arguments[code[1]]
+    if kind == "v":
+        return code[1]
+    if kind == "dict":
+        return {k: _decoded(v, tensors, arguments) for k, v in code[1]}
+    values = [_decoded(v, tensors, arguments) for v in code[1]]
+    return values if kind == "list" else tuple(values)
