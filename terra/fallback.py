@@ -234,6 +234,12 @@ def _execute(node, args, stopped, tapes, recorder, ctx):
     return results
 
 
+# Ops TF's own Python issues with gradient recording paused (``tf.stop_gradient``): a tape
+# never sees them in eager, so a replayed skipped call does not put them on the tapes either
+# (recorded, they change the order the backward pass sums in: eager's rounding is lost).
+PAUSES_TAPE = frozenset({"StopGradient"})
+
+
 def _replay_skip(logged, before, recorder, tapes, ctx):
     """Run a skipped library call's ops from the plan: what its method would have issued,
     each recorded at the executed location it was traced at, on the replayed values of its
@@ -250,7 +256,8 @@ def _replay_skip(logged, before, recorder, tapes, ctx):
                 for k, slot in enumerate(s.slots)]
         order = len(before) + (j + 1) / (len(ops) + 1)  # after the call, before what follows
         reads[node] = (order, args)
-        for k, r in enumerate(_execute(node, args, logged.stopped, tapes, recorder, ctx)):
+        stopped = logged.stopped or node.op_type in PAUSES_TAPE
+        for k, r in enumerate(_execute(node, args, stopped, tapes, recorder, ctx)):
             values[(node, k)] = (order, r)
     end = logged.steps[-1]
     recorder.override = (end.node.location, end.node.site)

@@ -118,7 +118,11 @@ class LayerRegions:
         """None if this call is no region, else (state, attributes, attrs, tensors)."""
         state = self._states.get(layer)
         if state is None:
-            state = self._states[layer] = _State(_ineligible(layer))
+            state = self._states[layer] = _State(None)
+            why = _ineligible(layer)
+            if why is not None and type(layer).__module__.startswith(_KERAS):
+                self._off(layer, state, why)  # a Keras layer: say why it runs its Python
+            state.off = why
         if state.off is not None:
             return None
         try:
@@ -142,14 +146,17 @@ class LayerRegions:
                 self.skipped += 1
                 return _decode(*skipped, tensors)
         record = rt.recorder.mark("call", attrs, tensors) if rt.phase == "tracing" else None
-        begin = len(rt.recorder.records) if record is not None else 0
+        if record is not None:
+            begin, customs = len(rt.recorder.records), rt.recorder.custom_gradients
         outputs = original(layer, *args, **kwargs)
         try:
             self._after(layer, state, before)
             returned, found = _encode(outputs, tensors)
             if record is not None:  # what the traces tell about the region, for the skip
                 feeds = _argument_reads(rt.recorder, begin, tensors)
-                record.attrs = attrs + (found if state.off is None else None, feeds)
+                # a custom gradient's backward function is Python's: no skip replays it
+                skip = state.off is None and rt.recorder.custom_gradients == customs
+                record.attrs = attrs + (found if skip else None, feeds)
         except Exception as err:  # noqa: BLE001 - as above
             rt.fail_safe(err)
             state.off, returned = f"Terra error {type(err).__name__}", []

@@ -72,9 +72,7 @@ def skippable(call):
     skip them all (``terra.library_regions``): one path (no branch point, no loop), graph ops
     only (nothing run in Python, nothing fetched: Python never looks at a value, so it cannot
     branch on one), every input one the graph has (nothing fed here); output shapes that vary
-    with the input shapes are the graph's business, Python takes no stand-in. None otherwise. A
-    joined input's producer is not noted (``Iteration.took``): a later gradient call whose
-    cone reads it then finds none and falls back."""
+    with the input shapes are the graph's business, Python takes no stand-in. None otherwise."""
     if call.looped:
         return None
     steps, s = [], call

@@ -41,7 +41,7 @@ from terra.fallback import (
 )
 from terra.fast_path import fast_inputs, flatten, pack_fast, pack_plan
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
-from terra.nodes import NodeKind
+from terra.nodes import NodeKind, SlotKind
 from terra.plan import Step, where
 from terra.standins import Entry, StandIns, leaves, to_indexed_slices
 from terra.validation import Validation, shape_ok
@@ -302,6 +302,7 @@ class PythonRunner:
             for s in skipped:
                 if self.cur.puts is not None:
                     self._take(self.cur, 0)
+                self._note_joins(s)
                 self._move(s)
         except GraphFailed as failed:
             failed.ran = True  # the replay ran the region
@@ -347,6 +348,7 @@ class PythonRunner:
                     self._take(self.cur, 0)
                 for out, position in returned.get(s, ()):
                     flat[position] = self._result(s.node, out)
+                self._note_joins(s)
                 self._move(s)
         except GraphFailed as failed:
             failed.ran, failed.result = True, result  # the replay ran the region
@@ -354,6 +356,15 @@ class PythonRunner:
         finally:
             logged.outputs = [self.tensors[x._id] for x in flat if x is not None]
         return result
+
+    def _note_joins(self, step):
+        """Note which producer each joined input of ``step``, a skipped op, takes (the one
+        that ran last, as the graph selects it): a gradient call whose cone reads it asks
+        (``Iteration.took``), as of an op Python issued."""
+        took = self.it.took
+        for slot in step.slots:
+            if slot.kind is SlotKind.NODE and len(slot.alts) > 1:
+                took[slot] = self.checks.last_of(slot.alts)
 
     def custom_gradient(self, op_type, outputs, inputs, backward):
         """``tf.custom_gradient`` recorded its backward function for outputs of ops already

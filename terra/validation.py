@@ -326,9 +326,9 @@ def _skipped_flows(logged, made_by, produced, kept):
         for k, slot in enumerate(s.slots):
             if (j, k) in logged.fed:
                 ins.append(logged.fed[(j, k)])
-            elif slot.kind is SlotKind.NODE:
-                key = slot.alts[0]
-                ins.append(local.get(key, produced.get(key)))
+            elif slot.kind is SlotKind.NODE:  # of a joined input's producers, the one that ran
+                ins.append(next((local.get(a, produced.get(a)) for a in slot.alts
+                                 if a in local or a in produced), None))
             elif slot.kind is SlotKind.VAR:
                 ins.append(slot.tensor)
             else:
