@@ -15,10 +15,16 @@ through Terra so that the floor, like the other baselines, runs on a TensorFlow 
 touched. Variable reads and assigns are ops like any other: assigns are skipped, so every
 replayed step sees the recorded step's values.
 
-``tape.gradient`` is answered as a whole (:class:`FloorTape`): its backward ops and TF's
-Python gradient functions are TensorFlow's work, not the user's code, and a graph runs them
-without Python (so does Terra's co-executed step). The replayed forward ops are not recorded
-on the tape either; the C++ op dispatch is left out with the kernels.
+Two calls are answered as a whole, with what they returned in the recorded step: a
+``tape.gradient`` (:class:`FloorTape`), whose backward ops and TF's Python gradient functions
+are TensorFlow's work, and the update of a library's own optimizer (``LIBRARY_UPDATES``: Keras'
+``apply`` loops over the variables in Python, a dozen ops each), whose Python looks at no
+value. A graph runs both without Python, and so does Terra's co-executed step (a gradient
+region; a library region, ``terra/library_regions.py``, whose list of optimizers this is), so
+a floor that ran their Python would not be one: Terra beat such a floor 2x on the MLP. A
+user's subclass of an optimizer is the user's code: its update is answered op by op. The
+replayed forward ops are not recorded on the tape; the C++ op dispatch is left out with the
+kernels.
 
 An op whose type differs from the recorded one at its position (Python control flow that
 depends on data or on a counter) makes its step *diverged*: that op and the rest of the step
@@ -27,6 +33,8 @@ run for real, and are counted. A step whose ops run out before the record's does
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 
 import tensorflow as tf
@@ -36,6 +44,17 @@ from tensorflow.python.eager import core, execute
 _ORIGINAL_FAST = pywrap_tfe.TFE_Py_FastPathExecute
 _REAL = object()  # "run this op for real"
 _active = None  # the Floor whose step is running (its doors are in TF's way)
+
+# (module, class, method, family, excluded): the optimizer updates answered whole, for
+# instances of classes defined under ``family`` but not under ``excluded`` (Keras' loss scale
+# optimizer wraps a user's choice); the Keras entries of ``terra.library_regions.REGIONS``.
+LIBRARY_UPDATES = (
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer", "apply", "keras.src.optimizers.",
+     ("keras.src.optimizers.loss_scale_optimizer",)),
+    ("tf_keras.src.optimizers.optimizer", "Optimizer", "apply_gradients",
+     "tf_keras.src.optimizers.", ("tf_keras.src.optimizers.legacy",
+                                   "tf_keras.src.mixed_precision")),
+)
 
 
 class Floor:
@@ -52,13 +71,16 @@ class Floor:
         # (op_type, door, outputs) of the recorded step, in order; door "fallback" is a fast
         # path call that raised ``_FallbackException`` (its op then came through "slow")
         self.ops = []
-        self.gradients = []  # what each tape.gradient call of the recorded step returned
+        # what each call answered whole (tape.gradient, optimizer update) returned when
+        # recorded, in order, as (kind, value)
+        self.whole_calls = []
+        self._updates = [_wrapped_update(*u) for u in LIBRARY_UPDATES if u[0] in sys.modules]
         self.replayed_steps = 0
         self.diverged_steps = 0
         self.real_ops = 0  # ops of replayed steps executed for real (after a divergence)
         self._recording = False
         self._paused = False  # inside a recorded tape.gradient: its ops are not the step's
-        self._cursor = self._gradient_cursor = 0
+        self._cursor = self._call_cursor = 0
         self._diverged = False
         self._owner = None
         self._slow = None  # ``execute.execute`` as it was when the step started
@@ -69,18 +91,22 @@ class Floor:
         if self.calls < self.record_at:
             return self.step(*batch)
         self._recording = self.calls == self.record_at
-        self._cursor = self._gradient_cursor = 0
+        self._cursor = self._call_cursor = 0
         self._diverged = False
         self._owner = threading.get_ident()
         self._slow = execute.execute
         _active = self
         pywrap_tfe.TFE_Py_FastPathExecute = _fast_door
         execute.execute = _slow_door
+        for cls, method, _, wrapper in self._updates:
+            setattr(cls, method, wrapper)
         try:
             out = self.step(*batch)
         finally:
             pywrap_tfe.TFE_Py_FastPathExecute = _ORIGINAL_FAST
             execute.execute = self._slow
+            for cls, method, original, _ in self._updates:
+                setattr(cls, method, original)
             _active = None
         if not self._recording:
             self.replayed_steps += 1
@@ -89,7 +115,7 @@ class Floor:
         return out
 
     def stats(self) -> dict:
-        return dict(ops_per_step=len(self.ops), gradients_per_step=len(self.gradients),
+        return dict(ops_per_step=len(self.ops), whole_calls_per_step=len(self.whole_calls),
                     replayed_steps=self.replayed_steps, diverged_steps=self.diverged_steps,
                     real_ops=self.real_ops)
 
@@ -139,23 +165,43 @@ class Floor:
         self.real_ops += 1
         return _REAL
 
-    def _gradient(self, tape, args, kwargs):
+    def _whole(self, kind, call):
+        """``call()``'s result, recorded (its ops are not the step's) or answered from the
+        record, also in a diverged step: run for real there, a gradient would miss the
+        answered forward ops on its tape. A call the record lacks diverges the step and runs
+        for real."""
         if self._recording:
             self._paused = True
             try:
-                grads = tf.GradientTape.gradient(tape, *args, **kwargs)
+                out = call()
             finally:
                 self._paused = False
-            self.gradients.append(grads)
-            return grads
-        k = self._gradient_cursor
-        if k < len(self.gradients):
-            self._gradient_cursor = k + 1
-            return self.gradients[k]
+            self.whole_calls.append((kind, out))
+            return out
+        k = self._call_cursor
+        if k < len(self.whole_calls) and self.whole_calls[k][0] == kind:
+            self._call_cursor = k + 1
+            return self.whole_calls[k][1]
         if not self._diverged:
             self._diverged = True
             self.diverged_steps += 1
-        return tf.GradientTape.gradient(tape, *args, **kwargs)
+        return call()
+
+
+def _wrapped_update(module, cls_name, method, family, excluded):
+    """(class, method name, original, wrapper) of one library optimizer update."""
+    cls = getattr(sys.modules[module], cls_name)
+    original = getattr(cls, method)
+
+    @functools.wraps(original)
+    def update(opt, *args, **kwargs):
+        where = type(opt).__module__
+        if (_active is None or _active._passes() or not where.startswith(family)
+                or where.startswith(excluded)):
+            return original(opt, *args, **kwargs)
+        return _active._whole("update", lambda: original(opt, *args, **kwargs))
+
+    return cls, method, original, update
 
 
 def _fast_door(ctx, op_type, name, *args):
@@ -173,4 +219,5 @@ class FloorTape(tf.GradientTape):
     def gradient(self, *args, **kwargs):
         if _active is None or _active._passes():
             return super().gradient(*args, **kwargs)
-        return _active._gradient(self, args, kwargs)
+        return _active._whole("gradient", lambda: super(FloorTape, self).gradient(*args,
+                                                                                   **kwargs))

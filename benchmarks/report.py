@@ -155,10 +155,11 @@ def markdown(rows, meta) -> str:
         out += ["", "## Floor", "",
                 "The floor answers every op of the timed steps from the last warm-up step "
                 "(`benchmarks/floor.py`): the Python the program imposes at zero kernel time, "
-                "`tape.gradient` answered whole. % floor is a mode's speed over the floor's, "
-                "per repeat (median): how much of the possible speed it reaches. A diverged "
-                "step took another op path than the recorded one; its ops from there ran for "
-                "real, so the floor is then not one.", "", floor]
+                "`tape.gradient` and a library optimizer's update answered whole. % floor is "
+                "a mode's speed over the floor's, per repeat (median): how much of the "
+                "possible speed it reaches. A diverged step took another op path than the "
+                "recorded one; its ops from there ran for real, so the floor is then not "
+                "one.", "", floor]
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
         out += ["", "## Failures and mismatches", ""]
