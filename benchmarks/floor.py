@@ -28,7 +28,8 @@ kernels.
 
 An op whose type differs from the recorded one at its position (Python control flow that
 depends on data or on a counter) makes its step *diverged*: that op and the rest of the step
-run for real, and are counted. A step whose ops run out before the record's does too.
+run for real, and are counted. A step whose ops (or whole calls) run out before the
+record's does too.
 """
 
 from __future__ import annotations
@@ -74,16 +75,17 @@ class Floor:
         # what each call answered whole (tape.gradient, optimizer update) returned when
         # recorded, in order, as (kind, value)
         self.whole_calls = []
-        self._updates = [_wrapped_update(*u) for u in LIBRARY_UPDATES if u[0] in sys.modules]
         self.replayed_steps = 0
         self.diverged_steps = 0
         self.real_ops = 0  # ops of replayed steps executed for real (after a divergence)
         self._recording = False
-        self._paused = False  # inside a recorded tape.gradient: its ops are not the step's
+        self._paused = False  # inside a call recorded whole: its ops are not the step's
         self._cursor = self._call_cursor = 0
         self._diverged = False
         self._owner = None
         self._slow = None  # ``execute.execute`` as it was when the step started
+        # (class, method, original, wrapper) of each library update of a loaded library
+        self._updates = [_wrapped_update(*u) for u in LIBRARY_UPDATES if u[0] in sys.modules]
 
     def __call__(self, *batch):
         global _active
@@ -110,8 +112,9 @@ class Floor:
             _active = None
         if not self._recording:
             self.replayed_steps += 1
-            if not self._diverged and self._cursor < len(self.ops):
-                self.diverged_steps += 1  # fewer ops than recorded
+            if not self._diverged and (self._cursor < len(self.ops)
+                                       or self._call_cursor < len(self.whole_calls)):
+                self.diverged_steps += 1  # fewer ops or whole calls than recorded
         return out
 
     def stats(self) -> dict:

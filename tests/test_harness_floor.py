@@ -76,7 +76,8 @@ def test_a_users_optimizer_is_answered_op_by_op():
 
 class Branchy:
     """A step whose op path depends on a Python counter: odd calls take an extra ``Abs``
-    (``where="middle"``) or end with one (``where="end"``)."""
+    (``where="middle"``), end with one (``where="end"``) or ask the tape for one more
+    gradient, which issues no op in a replayed step (``where="gradient"``)."""
 
     def __init__(self, where):
         self.where = where
@@ -85,11 +86,13 @@ class Branchy:
 
     def step(self, x):
         self.calls += 1
-        with FloorTape() as tape:
+        with FloorTape(persistent=True) as tape:
             y = x * self.v
             if self.calls % 2 and self.where == "middle":
                 y = tf.abs(y)
             loss = tf.reduce_sum(y)
+        if self.calls % 2 and self.where == "gradient":
+            tape.gradient(loss, self.v)
         grad = tape.gradient(loss, self.v)
         self.v.assign_sub(0.1 * grad)
         if self.calls % 2 and self.where == "end":
@@ -97,10 +100,11 @@ class Branchy:
         return loss
 
 
-@pytest.mark.parametrize("where", ["middle", "end"])
+@pytest.mark.parametrize("where", ["middle", "end", "gradient"])
 def test_divergence_is_counted(where):
     """Recorded at an odd call: the even calls diverge (in the middle, the ops from the
-    mismatch on run for real; at the end, the step simply has fewer ops), the odd ones not."""
+    mismatch on run for real; otherwise the step simply has fewer ops or whole calls), the odd
+    ones not."""
     prog = Branchy(where)
     step = Floor(prog.step, record_at=1)
     x = tf.constant([3.0, 4.0])
