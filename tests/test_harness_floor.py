@@ -77,7 +77,7 @@ def test_a_users_optimizer_is_answered_op_by_op():
 class Branchy:
     """A step whose op path depends on a Python counter: odd calls take an extra ``Abs``
     (``where="middle"``), end with one (``where="end"``) or ask the tape for one more
-    gradient, which issues no op in a replayed step (``where="gradient"``)."""
+    gradient, which runs no op in a replayed step (``where="gradient"``)."""
 
     def __init__(self, where):
         self.where = where
