@@ -128,6 +128,7 @@ def summarize(runs: list[dict], programs, modes, rtol: float, atol: float,
                               xla_rtol if MODES[mode].xla else rtol, atol))
             row.update(_speed(mode, modes, sps))
             row.update(_terra(mine))
+            row.update(_floor(mine))
             row["traces"] = _median([_traces(r) for r in mine])
             row["peak_rss_mb"] = _median([r.get("peak_rss_mb") for r in mine])
             row["warmup_s"] = _median([r.get("warmup_s") for r in mine])
@@ -148,10 +149,11 @@ def _startup(run, eager):
 def _check(program, mode, mine, eager, rtol, atol) -> dict:
     """Status of one (program, mode): ok, FAIL (raised), WRONG (losses differ from eager's),
     NONDET (eager itself differs between repeats) or UNCHECKED (AutoGraph+XLA on a program
-    that draws random numbers: Terra+XLA keeps random ops out of XLA, AutoGraph+XLA cannot)."""
-    compared = REGISTRY[program].compare_steps
+    that draws random numbers: Terra+XLA keeps random ops out of XLA, AutoGraph+XLA cannot).
+    The floor's losses are not compared: its timed steps all return the recorded step's."""
+    compared = None if MODES[mode].floor else REGISTRY[program].compare_steps
     mismatches, max_rel = [], 0.0
-    for k, r in enumerate(mine):
+    for k, r in enumerate([] if MODES[mode].floor else mine):
         ref = eager[0 if mode == "eager" else k]  # eager: determinism across repeats
         if "losses" in r and "losses" in ref:
             mismatch, rel = compare_losses(r["losses"], ref["losses"], rtol, atol, compared)
@@ -179,6 +181,9 @@ def _speed(mode, modes, sps) -> dict:
                               if len(ok) > 1 else None))
     result["speedup"] = _paired(sps[mode], sps["eager"])
     result["median_speedup"] = _median(result["speedup"])
+    if "floor" in modes and mode != "floor":  # the share of the floor's speed reached
+        result["vs_floor"] = _paired(sps[mode], sps["floor"])
+        result["median_vs_floor"] = _median(result["vs_floor"])
     peer = AUTOGRAPH_PEER.get(mode)
     if peer == "autograph_xla" and peer not in modes:
         peer = "autograph"
@@ -199,6 +204,12 @@ def _terra(mine) -> dict:
     return dict(terra_stats=merged, fallbacks=merged.get("fallbacks"),
                 coexecuted=merged.get("coexecuted"),
                 terra_timed=_merge_stats(timed) if timed else None)
+
+
+def _floor(mine) -> dict:
+    """The floor's counters (``benchmarks.floor.Floor.stats``), medians over the repeats."""
+    stats = [r["floor_stats"] for r in mine if r.get("floor_stats")]
+    return dict(floor_stats=_merge_stats(stats)) if stats else {}
 
 
 def _paired(mine: dict, base: dict | None) -> list:

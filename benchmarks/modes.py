@@ -2,9 +2,10 @@
 
 AutoGraph modes wrap the step in ``tf.function`` (the paper compiles a single training step the
 same way); Terra modes swap the tape for ``terra.TerraGradientTape`` after ``terra.reset()`` and
-``terra.configure(...)``. Terra is imported only by Terra modes, so the baselines run on an
-untouched TensorFlow. TensorFlow itself is imported on use: the harness process imports this
-module and must stay TensorFlow-free.
+``terra.configure(...)``. The floor mode answers every op of its timed steps from a recorded
+step (``benchmarks.floor``). Terra is imported only by Terra modes, so the baselines and the
+floor run on an untouched TensorFlow. TensorFlow itself is imported on use: the harness
+process imports this module and must stay TensorFlow-free.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class Mode:
     autograph: bool = False  # wrap train_step in tf.function
     jit_compile: bool = False  # ... with XLA
     terra: dict | None = None  # terra.configure(...) keywords; None = plain tf.GradientTape
+    floor: bool = False  # timed steps answered from the last warm-up step (benchmarks.floor)
 
     @property
     def xla(self) -> bool:
@@ -32,6 +34,7 @@ MODES = {m.name: m for m in [
     Mode("terra", "Terra", terra=dict(disable=False, xla=False, lazy=False)),
     Mode("terra_xla", "Terra+XLA", terra=dict(disable=False, xla=True, lazy=False)),
     Mode("terra_lazy", "Terra LazyEval", terra=dict(disable=False, xla=False, lazy=True)),
+    Mode("floor", "Floor", floor=True),
 ]}
 
 # The AutoGraph mode a Terra mode is compared with ("x AutoGraph" column).
@@ -40,6 +43,10 @@ AUTOGRAPH_PEER = {"terra": "autograph", "terra_xla": "autograph_xla", "terra_laz
 
 def tape_for(mode: Mode):
     """The tape class a program of this mode is built with (configures Terra first)."""
+    if mode.floor:
+        from benchmarks.floor import FloorTape
+
+        return FloorTape
     if mode.terra is None:
         import tensorflow as tf
 
@@ -51,7 +58,12 @@ def tape_for(mode: Mode):
     return terra.TerraGradientTape
 
 
-def step_fn_for(mode: Mode, program):
+def step_fn_for(mode: Mode, program, warmup: int):
+    """What the loop calls each step; the floor's records warm-up step ``warmup``."""
+    if mode.floor:
+        from benchmarks.floor import Floor
+
+        return Floor(program.train_step, record_at=warmup)
     if mode.autograph:
         import tensorflow as tf
 

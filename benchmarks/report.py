@@ -19,10 +19,17 @@ def _ratio(row, key):
     return f"x{v:.2f}"
 
 
+def _percent(row, key):
+    v = row.get(key)
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
 def _losses(row):
     if row["status"] == "ok":
         if row["mode"] == "eager":
             return "reference"
+        if MODES[row["mode"]].floor:
+            return "n/a (floor" + _divergence(row.get("floor_stats") or {}) + ")"
         n = row.get("compared_steps")
         return f"match (first {n} step{'s' * (n > 1)})" if n else "match"
     return f"{row['status']}: {row['detail']}"
@@ -35,6 +42,7 @@ COLUMNS = [
     ("+-%", lambda r: _num(r["spread_pct"], "{:.0f}")),
     ("x eager", lambda r: _ratio(r, "median_speedup")),
     ("x AutoGraph", lambda r: _ratio(r, "median_vs_autograph")),
+    ("% floor", lambda r: _percent(r, "median_vs_floor")),
     ("traces", lambda r: _num(r.get("traces"), "{:g}")),
     ("fallbacks", lambda r: _num(r.get("fallbacks"), "{:g}")),
     ("coexec", lambda r: _num(r.get("coexecuted"), "{:g}")),
@@ -86,6 +94,40 @@ def stats_table(rows) -> str | None:
     return "\n".join(lines)
 
 
+def _divergence(stats) -> str:
+    if not stats.get("diverged_steps"):
+        return ""
+    return (f"; {stats['diverged_steps']:g} of {stats['replayed_steps']:g} steps diverged, "
+            f"{stats['real_ops']:g} ops run for real")
+
+
+def floor_table(rows) -> str | None:
+    """Markdown table, one row per program that has a floor: ms per step of the floor and of
+    every other mode, with the share of the floor's speed each reaches."""
+    floors = [r for r in rows if MODES[r["mode"]].floor and r.get("median_steps_per_s")]
+    if not floors:
+        return None
+    others = [m for m in dict.fromkeys(r["mode"] for r in rows) if not MODES[m].floor]
+    by_key = {(r["program"], r["mode"]): r for r in rows}
+
+    def ms(row):
+        sps = row and row.get("median_steps_per_s")
+        return f"{1000 / sps:.2f}" if sps else "-"
+
+    lines = ["| program | floor ms | " + " | ".join(f"{m} ms (% floor)" for m in others)
+             + " | ops/step | diverged steps | ops run for real |",
+             "|---|---|" + "---|" * len(others) + "---|---|---|"]
+    for f in floors:
+        s = f.get("floor_stats") or {}
+        cells = [f"{ms(by_key.get((f['program'], m)))} "
+                 f"({_percent(by_key.get((f['program'], m)) or {}, 'median_vs_floor')})"
+                 for m in others]
+        lines.append(f"| {f['program']} | {ms(f)} | " + " | ".join(cells) + " | "
+                     + " | ".join(_num(s.get(k), "{:g}") for k in
+                                  ("ops_per_step", "diverged_steps", "real_ops")) + " |")
+    return "\n".join(lines)
+
+
 def markdown(rows, meta) -> str:
     counts = ", ".join(f"{p} {meta['warmup'][p]}/{meta['steps'][p]}" for p in meta["programs"])
     out = [
@@ -108,6 +150,16 @@ def markdown(rows, meta) -> str:
                 "Medians over repeats. Counters are what happened during the timed steps; "
                 "times (the runners' breakdown, Fig. 3.11) are in ms per timed step; phase is "
                 "the phase at the end.", "", stats]
+    floor = floor_table(rows)
+    if floor:
+        out += ["", "## Floor", "",
+                "The floor answers every op of the timed steps from the last warm-up step "
+                "(`benchmarks/floor.py`): the Python the program imposes at zero kernel time, "
+                "`tape.gradient` and a library optimizer's update answered whole. % floor is "
+                "a mode's speed over the floor's, per repeat (median): how much of the "
+                "possible speed it reaches. A diverged step took another op path than the "
+                "recorded one; its ops from there ran for real, so the floor is then not "
+                "one.", "", floor]
     failures = [r for r in rows if r["status"] != "ok"]
     if failures:
         out += ["", "## Failures and mismatches", ""]
@@ -124,7 +176,7 @@ def bar_chart(rows, programs, modes, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    shown = [m for m in modes if m != "eager"]
+    shown = [m for m in modes if m != "eager" and not MODES[m].floor]  # the floor: its table
     if not shown:
         return
     by_key = {(r["program"], r["mode"]): r for r in rows}

@@ -44,7 +44,9 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
     result.
 
     ``timed_s`` covers the timed steps including the final conversion of their losses, so work
-    still in flight when the loop ends (a graph running behind Python) is counted.
+    still in flight when the loop ends (a graph running behind Python) is counted. The floor
+    mode records its last warm-up step and answers the timed steps from it (``floor_stats``:
+    ops per step, steps that diverged from the record, ops run for real).
     """
     from benchmarks import modes
     from benchmarks.programs import REGISTRY, load, run
@@ -64,7 +66,7 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
         result["rss_imported_mb"] = _peak_rss_mb()  # TensorFlow, Keras, Terra loaded
         start = time.perf_counter()
         prog = cls(config, seed, tape=tape)
-        step_fn = modes.step_fn_for(m, prog)
+        step_fn = modes.step_fn_for(m, prog, warmup)
         result["build_s"] = time.perf_counter() - start
         phase = "warm-up"
         start = time.perf_counter()
@@ -84,6 +86,8 @@ def run_one(program: str, mode: str, config: str = "quick", steps: int = 20, war
         result["error"] = f"{type(e).__name__} during {phase}: {_short_message(e)}"
         result["traceback"] = traceback.format_exc()[-4000:]
         result["terra_stats"] = modes.terra_stats(m)
+    if m.floor and phase != "build":
+        result["floor_stats"] = step_fn.stats()
     result["peak_rss_mb"] = _peak_rss_mb()
     return result
 
