@@ -35,6 +35,7 @@ subclass) runs as usual and its built-in sublayers are regions of their own.
 import functools
 import importlib
 import inspect
+import itertools
 import re
 import sys
 import threading
@@ -48,7 +49,7 @@ from tensorflow.python.util import nest
 
 from terra import runtime
 from terra.library_regions import attributes, changed_names, flatten_call
-from terra.location import user_location
+from terra.location import in_user_loop, user_location
 from terra.nodes import ExtRef
 
 _EagerTensor = ops.EagerTensor
@@ -83,13 +84,17 @@ def install():
 
 class _State:
     """What one runtime knows of one layer: the attributes of it and its sublayers after its
-    last call, and why its calls are no regions (None while they are)."""
+    last call, why its calls are no regions (None while they are), and a number no other
+    layer's state has: a call mark names its layer by it (two Dense layers called alike are
+    told apart, and a layer made anew gets a new number where it could get an old ``id``)."""
 
-    __slots__ = ("last", "off")
+    __slots__ = ("last", "off", "token")
+    _tokens = itertools.count()
 
     def __init__(self, off):
         self.last = None
         self.off = off
+        self.token = next(self._tokens)
 
 
 class LayerRegions:
@@ -104,8 +109,10 @@ class LayerRegions:
 
     def call(self, rt, original, layer, args, kwargs):
         # one line calls a layer that is no region: the ops its call issues are located by
-        # their call stack, which must be the same in every iteration
-        guard = self._region_guard(rt, layer, args, kwargs)
+        # their call stack, which must be the same in every iteration. A call in a loop's
+        # body is none: a loop's trips are rolled into one While only if they are ops alike
+        guard = None if in_user_loop(sys._getframe(2), rt.entry) else \
+            self._region_guard(rt, layer, args, kwargs)
         if guard is None:
             return original(layer, *args, **kwargs)
         self.depth += 1
@@ -145,15 +152,17 @@ class LayerRegions:
             if type(skipped) is tuple:  # skipped, or run by the replay of a fallback
                 self.skipped += 1
                 return _decode(*skipped, tensors)
-        record = rt.recorder.mark("call", attrs, tensors) if rt.phase == "tracing" else None
-        if record is not None:
+        record = None
+        if rt.phase == "tracing":  # after a fallback, the replay's values for stand-ins
+            real = [rt.tracing_door.real(t) for t in tensors]
+            record = rt.recorder.mark("call", attrs, real)
             begin, customs = len(rt.recorder.records), rt.recorder.custom_gradients
         outputs = original(layer, *args, **kwargs)
         try:
             self._after(layer, state, before)
             returned, found = _encode(outputs, tensors)
             if record is not None:  # what the traces tell about the region, for the skip
-                feeds = _argument_reads(rt.recorder, begin, tensors)
+                feeds = _argument_reads(rt.recorder, begin, real)
                 # a custom gradient's backward function is Python's: no skip replays it
                 skip = state.off is None and rt.recorder.custom_gradients == customs
                 record.attrs = attrs + (found if skip else None, feeds)
@@ -182,7 +191,8 @@ class LayerRegions:
             return self._off(layer, state, "it is called inside a stateless scope")
         # the attributes are not in the attrs: any change since the last call turns the
         # regions off, so those of a skipped call are those of the traced ones
-        return before, (f"{type(layer).__qualname__}.__call__", leaves, scope), tensors
+        return before, (f"{type(layer).__qualname__}.__call__", state.token, leaves, scope), \
+            tensors
 
     def _after(self, layer, state, before):
         """The call ran: one that changed the layer's attributes (after its first call,
@@ -202,7 +212,7 @@ class LayerRegions:
                 rt.marks.coexec(lambda: rt.runner.mark("return", attrs, returned, None)):
             return
         if rt.phase == "tracing":
-            rt.recorder.mark("return", attrs, returned)
+            rt.recorder.mark("return", attrs, [rt.tracing_door.real(t) for t in returned])
 
     def _off(self, layer, state, why):
         state.off = why
@@ -217,6 +227,8 @@ def _ineligible(layer):
         module = cls.__module__
         if not module.startswith(_KERAS) or module.startswith(_EXCLUDED):
             return f"{module}.{cls.__qualname__} is not Keras' own layer class"
+        if not getattr(cls.call, "__module__", "").startswith(_KERAS):
+            return f"{cls.__qualname__}.call is not Keras' own"
         if getattr(sub, "activity_regularizer", None) is not None:
             return f"{sub.name!r} has an activity regularizer"
         for name, value in vars(sub).items():

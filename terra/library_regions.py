@@ -153,8 +153,8 @@ class LibraryRegions:
             if rt.marks.coexec(lambda: rt.runner.library_call(attrs, tensors, stopped)):
                 self.skipped += 1
                 return region.returns(opt) if region.returns else None
-        if rt.phase == "tracing":
-            rt.recorder.mark("call", attrs, tensors)
+        if rt.phase == "tracing":  # after a fallback, the replay's values for stand-ins
+            rt.recorder.mark("call", attrs, [rt.tracing_door.real(t) for t in tensors])
         result = original(opt, *args, **kwargs)
         try:
             self._after(opt, state, before)

@@ -21,6 +21,7 @@ What it gives up is the loop *identity*: the occurrence counts trips of the inne
 around the stack taken together. docs/architecture.md §3.10 has the measurements.
 """
 
+import dis
 import functools
 import importlib.util
 import inspect
@@ -106,6 +107,45 @@ def user_location(frame=None) -> Location | None:
     if f is None:
         return None
     return Location(f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
+
+
+def in_user_loop(frame, entry) -> bool:
+    """Whether ``frame`` or a user frame it was called from is in the body of a Python loop
+    (``for``, ``while``, a comprehension) at the line running now. The walk stops at the
+    frame the iteration was entered from (``entry``: its ``(id, f_lasti)``, the tape's
+    ``with``), where only loops inside the iteration count: the loop around it is the
+    training loop. Library frames are passed over (a model's own loop over its layers
+    calls each layer once)."""
+    f = frame
+    stop, entered_at = entry if entry is not None else (None, -1)
+    while f is not None:
+        code = f.f_code
+        if id(f) == stop:
+            return any(entered_at < start <= f.f_lasti <= end for start, end in _loops(code))
+        if not _is_library(code.co_filename) and \
+                any(start <= f.f_lasti <= end for start, end in _loops(code)):
+            return True
+        f = f.f_back
+    return False
+
+
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+
+
+def entry_point(frame):
+    """``(id, f_lasti)`` of the first frame from ``frame`` out that is not Terra's: where
+    the user's code entered an iteration (:func:`in_user_loop`)."""
+    while frame is not None and _is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    return None if frame is None else (id(frame), frame.f_lasti)
+
+
+@functools.lru_cache(maxsize=4096)
+def _loops(code) -> tuple:
+    """The bytecode ranges of ``code``'s loops: from a backward jump's target to the jump
+    (a conditional one too: 3.11 closes some ``while`` loops with one)."""
+    return tuple((ins.argval, ins.offset) for ins in dis.get_instructions(code)
+                 if ins.opcode in _JUMPS and ins.argval <= ins.offset)
 
 
 class Sites:

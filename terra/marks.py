@@ -9,13 +9,15 @@ and the recorder notes it; in the other phases the real tape runs it, on values 
 stand-ins.
 """
 
+import sys
+
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
 from terra.divergence import Divergence
 from terra.hooks import tensors as _tensors
-from terra.location import user_location
+from terra.location import entry_point, user_location
 
 _EagerTensor = ops.EagerTensor
 _Variable = resource_variable_ops.BaseResourceVariable
@@ -32,6 +34,7 @@ class TapeMarks:
         rt = self.runtime
         if not rt.open_tapes:
             rt.next_iteration()
+            rt.entry = entry_point(sys._getframe(1))  # the ``with`` of the iteration's tape
         rt.open_tapes.append(tape)
         attrs = tape.mark_attrs
         if rt.phase == "coexecution" and self.coexec(

@@ -112,10 +112,9 @@ def skippable_layer(call):
     if s.op_type != "return":
         return None
     region = {step.node for step in steps}
-    if any(slot.kind is not SlotKind.NODE or len(slot.alts) != 1 or
-           slot.alts[0][0] not in region for slot in s.slots):
+    returned = {returned_by(slot, region) for slot in s.slots}
+    if None in returned:
         return None
-    returned = {slot.alts[0] for slot in s.slots}
     fed = {(j, k) for j, k, _ in feeds}
     for j, step in enumerate(steps):
         if any(channel is not None and (step.node, k) not in returned
@@ -124,6 +123,16 @@ def skippable_layer(call):
         if any(not _settled(slot) and (j, k) not in fed for k, slot in enumerate(step.slots)):
             return None
     return steps + [s]
+
+
+def returned_by(slot, region):
+    """The output of a node of ``region`` (a set of nodes) that ``slot``, an input of a layer
+    call's ``return`` mark, reads, or None: the call returned a tensor it did not make. On
+    one path the region's own producer is the one of a joined input's that ran."""
+    if slot.kind is not SlotKind.NODE:
+        return None
+    found = [alt for alt in slot.alts if alt[0] in region]
+    return found[0] if len(found) == 1 else None
 
 
 def _settled(slot):

@@ -37,12 +37,12 @@ from terra.fallback import (
     LoggedMark,
     LoggedOp,
     LoggedPythonOp,
-    LoggedSkip,
 )
 from terra.fast_path import fast_inputs, flatten, pack_fast, pack_plan
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
-from terra.nodes import NodeKind, SlotKind
+from terra.nodes import NodeKind
 from terra.plan import Step, where
+from terra.skips import RegionSkips
 from terra.standins import Entry, StandIns, leaves, to_indexed_slices
 from terra.validation import Validation, shape_ok
 from terra.waiting import Waiting
@@ -79,7 +79,7 @@ class Iteration:
         self.log = self.fed = self.customs = self.job.snapshot = None
 
 
-class PythonRunner:
+class PythonRunner(RegionSkips):
     """The handler of co-execution for one SymbolicGraph ``graph``. ``tensors``: the hook
     table; ``original_numpy``: TF's own ``_numpy``, for a stand-in's value; ``watchdog``,
     ``timeout`` and ``start`` (submits a job to the GraphRunner): for the waits;
@@ -108,7 +108,7 @@ class PythonRunner:
         self.seqs = {}
         self.visits = {}
         self._packs = {}
-        self._skips = {}  # a library call's mark -> the steps Python skips (path.skippable)
+        self._skips = {}  # a region's call mark -> its skips.Skip, or None (not skippable)
         self._took = None  # (step, seq) of the last Case Selects fed: the edge out of step
         self.checks = Validation(self.step_of, tensors, self.seqs, self.value_of)
         self.standins = StandIns(self, tensors)
@@ -277,94 +277,6 @@ class PythonRunner:
                 self._visit(body_step)
         self._logged_move(step, flat)
         return flat
-
-    def library_call(self, attrs, tensors, stopped):
-        """A library region begins (``terra.library_regions``): match its ``call`` mark and,
-        if the plan runs the region straight through (``path.skippable``), move past its
-        ``return`` mark; the method is then not run at all. Returns whether it was skipped.
-        ``stopped``: gradient recording was paused (a replay runs the ops so)."""
-        it = self.it
-        step = self._expect(NodeKind.MARK, "call", lambda s: s.attrs == attrs)
-        if step.attrs != attrs:
-            raise Divergence("library call with different arguments or optimizer settings",
-                             "attribute change")
-        inputs = self.checks.inputs(it, step, list(tensors), feed=False)
-        skipped = self._skips.get(step, False)
-        if skipped is False:
-            skipped = self._skips[step] = path.skippable(step)
-        if skipped is None:
-            it.log.append(LoggedMark(step, inputs, None))
-            self._logged_move(step, None)
-            return False
-        it.log.append(LoggedSkip(step, inputs, skipped, stopped))
-        try:
-            self._move(step)
-            for s in skipped:
-                if self.cur.puts is not None:
-                    self._take(self.cur, 0)
-                self._note_joins(s)
-                self._move(s)
-        except GraphFailed as failed:
-            failed.ran = True  # the replay ran the region
-            raise
-        return True
-
-    def layer_call(self, attrs, tensors, stopped):
-        """A Keras layer's call begins (``terra.layer_regions``): match its ``call`` mark (on
-        ``attrs``; what the traces found it returned and read is in the mark's last two)
-        and, if the plan runs the region straight through (``path.skippable_layer``) for
-        these input shapes, feed the arguments its ops read, move past its ``return`` mark
-        and return (the call's output template, stand-ins for the tensors it returned); the
-        layer's Python is then not run at all. Returns False if it is not skipped."""
-        it = self.it
-        n = len(attrs)
-        step = self._expect(NodeKind.MARK, "call", lambda s: s.attrs[:n] == attrs)
-        if step.attrs[:n] != attrs:
-            raise Divergence("layer call with different arguments or layer settings",
-                             "attribute change")
-        inputs = self.checks.inputs(it, step, list(tensors), feed=False)
-        skipped = self._skips.get(step, False)
-        if skipped is False:
-            skipped = self._skips[step] = path.skippable_layer(step)
-        if skipped is None or \
-                tuple(t._shape_tuple() for t in tensors) not in step.node.sigs:
-            it.log.append(LoggedMark(step, inputs, None))
-            self._logged_move(step, None)
-            return False
-        fed = {(j, k): self.checks.argument(it, skipped[j], k, tensors[a])
-               for j, k, a in step.attrs[-1]}
-        returned = {}  # step -> [(out, position among the returned tensors)]
-        for position, slot in enumerate(skipped[-1].slots):
-            node, out = slot.alts[0]
-            returned.setdefault(self.step_of[node], []).append((out, position))
-        flat = [None] * len(skipped[-1].slots)
-        result = step.attrs[-2], flat
-        logged = LoggedSkip(step, inputs, skipped, stopped, fed)
-        it.log.append(logged)
-        try:
-            self._move(step)
-            for s in skipped:
-                if self.cur.puts is not None:
-                    self._take(self.cur, 0)
-                for out, position in returned.get(s, ()):
-                    flat[position] = self._result(s.node, out)
-                self._note_joins(s)
-                self._move(s)
-        except GraphFailed as failed:
-            failed.ran, failed.result = True, result  # the replay ran the region
-            raise
-        finally:
-            logged.outputs = [self.tensors[x._id] for x in flat if x is not None]
-        return result
-
-    def _note_joins(self, step):
-        """Note which producer each joined input of ``step``, a skipped op, takes (the one
-        that ran last, as the graph selects it): a gradient call whose cone reads it asks
-        (``Iteration.took``), as of an op Python issued."""
-        took = self.it.took
-        for slot in step.slots:
-            if slot.kind is SlotKind.NODE and len(slot.alts) > 1:
-                took[slot] = self.checks.last_of(slot.alts)
 
     def custom_gradient(self, op_type, outputs, inputs, backward):
         """``tf.custom_gradient`` recorded its backward function for outputs of ops already

@@ -88,6 +88,7 @@ class Runtime:
         self.stats = Stats()
         self.sites = Sites()
         self.open_tapes = []
+        self.entry = None  # where the user's code entered this iteration (location.entry_point)
         self.recorder = None
         self.runner = None
         self.graph = None
