@@ -110,8 +110,9 @@ class LayerRegions:
     def call(self, rt, original, layer, args, kwargs):
         # one line calls a layer that is no region: the ops its call issues are located by
         # their call stack, which must be the same in every iteration. A call in a loop's
-        # body is none: a loop's trips are rolled into one While only if they are ops alike
-        guard = None if in_user_loop(sys._getframe(2), rt.entry) else \
+        # body is none (a loop's trips are rolled into one While only if they are ops
+        # alike), unless the loop is over layers and this one is in the trip's layer
+        guard = None if in_user_loop(sys._getframe(2), rt.entry, _holds(layer)) else \
             self._region_guard(rt, layer, args, kwargs)
         if guard is None:
             return original(layer, *args, **kwargs)
@@ -218,6 +219,14 @@ class LayerRegions:
         state.off = why
         self.note("layer region off", f"{type(layer).__name__} {layer.name!r}: {why}; its "
                   "calls run their Python", user_location())
+
+
+def _holds(layer):
+    """Whether a loop variable's value is ``layer`` or a layer holding it."""
+    def holds(value):
+        return value is layer or hasattr(value, "_flatten_layers") and \
+            any(sub is layer for sub in value._flatten_layers())
+    return holds
 
 
 def _ineligible(layer):

@@ -109,24 +109,31 @@ def user_location(frame=None) -> Location | None:
     return Location(f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
 
 
-def in_user_loop(frame, entry) -> bool:
+def in_user_loop(frame, entry, over=None) -> bool:
     """Whether ``frame`` or a user frame it was called from is in the body of a Python loop
     (``for``, ``while``, a comprehension) at the line running now. The walk stops at the
     frame the iteration was entered from (``entry``: its ``(id, f_lasti)``, the tape's
     ``with``), where only loops inside the iteration count: the loop around it is the
     training loop. Library frames are passed over (a model's own loop over its layers
-    calls each layer once)."""
+    calls each layer once). A ``for`` loop whose variable holds a value ``over`` accepts
+    (a loop over layers, each called once) does not count."""
     f = frame
     stop, entered_at = entry if entry is not None else (None, -1)
     while f is not None:
         code = f.f_code
         if id(f) == stop:
-            return any(entered_at < start <= f.f_lasti <= end for start, end in _loops(code))
+            return any(entered_at < start <= f.f_lasti <= end and not _over(f, name, over)
+                       for start, end, name in _loops(code))
         if not _is_library(code.co_filename) and \
-                any(start <= f.f_lasti <= end for start, end in _loops(code)):
+                any(start <= f.f_lasti <= end and not _over(f, name, over)
+                    for start, end, name in _loops(code)):
             return True
         f = f.f_back
     return False
+
+
+def _over(frame, name, over):
+    return name is not None and over is not None and over(frame.f_locals.get(name))
 
 
 _JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
@@ -142,9 +149,14 @@ def entry_point(frame):
 
 @functools.lru_cache(maxsize=4096)
 def _loops(code) -> tuple:
-    """The bytecode ranges of ``code``'s loops: from a backward jump's target to the jump
-    (a conditional one too: 3.11 closes some ``while`` loops with one)."""
-    return tuple((ins.argval, ins.offset) for ins in dis.get_instructions(code)
+    """The bytecode ranges of ``code``'s loops, from a backward jump's target to the jump (a
+    conditional one too: 3.11 closes some ``while`` loops with one), with the name a ``for``
+    loop binds each trip (None for another loop, or a loop unpacking into several)."""
+    instructions = list(dis.get_instructions(code))
+    bound = {ins.offset: after.argval for ins, after in zip(instructions, instructions[1:])
+             if ins.opname == "FOR_ITER" and after.opname in ("STORE_FAST", "STORE_NAME",
+                                                                "STORE_DEREF")}
+    return tuple((ins.argval, ins.offset, bound.get(ins.argval)) for ins in instructions
                  if ins.opcode in _JUMPS and ins.argval <= ins.offset)
 
 

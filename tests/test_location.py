@@ -5,6 +5,7 @@ import gc
 import sys
 import weakref
 
+from terra import location
 from terra.location import Sites
 
 
@@ -120,3 +121,46 @@ def test_release_lets_go_of_the_last_stacks_locals():
     probe.sites.release()
     gc.collect()
     assert ref() is None
+
+
+def _frames_in(fn, *args):
+    """``fn(*args, here)`` where ``here()`` returns the frame that called it."""
+    return fn(*args, lambda: sys._getframe(1))
+
+
+def test_a_call_in_a_loops_body_is_told_from_one_after_it():
+    def loops(here):
+        found = []
+        for _ in range(2):
+            found.append(location.in_user_loop(here(), None))
+        trips = 0
+        while trips < 1:
+            found.append(location.in_user_loop(here(), None))
+            trips += 1
+        found += [location.in_user_loop(here(), None) for _ in range(1)]
+        found.append(location.in_user_loop(here(), None))
+        return found
+
+    assert _frames_in(loops) == [True, True, True, True, False]
+
+
+def test_a_loop_over_what_the_caller_accepts_does_not_count():
+    def over(items, here):
+        return [location.in_user_loop(here(), None, lambda v, item=item: v is item)
+                for item in items]
+
+    assert _frames_in(over, ["a", "b"]) == [False, False]
+    assert location.in_user_loop(sys._getframe(), None) is False  # pytest's loops: library
+
+
+def test_the_loop_around_the_iterations_entry_does_not_count():
+    def training(here):
+        found = []
+        for _ in range(2):  # the training loop
+            entry = (id(sys._getframe()), sys._getframe().f_lasti)  # the tape's ``with``
+            found.append(location.in_user_loop(here(), entry))
+            for _ in range(1):  # a loop inside the iteration
+                found.append(location.in_user_loop(here(), entry))
+        return found
+
+    assert _frames_in(training) == [False, True, False, True]
