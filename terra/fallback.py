@@ -104,11 +104,13 @@ def watch_read(tapes, op_type, handle):
 
     Eager tapes learn of a variable from ``variable_accessed`` before the read op runs. In
     co-execution no real tape is active then, so a read replayed, or run eagerly right after
-    a fallback, must be announced here or its gradient would be missing."""
+    a fallback, must be announced here or its gradient would be missing. A non-persistent
+    tape whose gradient was taken no longer records (TF popped it), as eagerly."""
     if op_type in _READS:
         for tape in tapes:
-            if tape.watch_accessed_variables and tape.real is not None:
-                tape.real.watch(handle)
+            real = tape.real
+            if tape.watch_accessed_variables and real is not None and real._tape is not None:
+                real.watch(handle)
 
 
 class GraphStuck(TimeoutError):
