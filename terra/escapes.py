@@ -53,6 +53,19 @@ def sweep(it, tensors):
     return [e for e, _ in held]
 
 
+def unfetchable(it):
+    """Whether Python may still hold a stand-in of the iteration ``it`` that has no value and
+    that the graph does not return: reading it, or keeping it past the iteration, would fall
+    back (the commit point's question, ``terra.commit``). Reference counts as
+    :func:`sweep` reads them, but nothing is forgotten, and references from custom
+    gradients' closures count as Python's (so it errs towards yes)."""
+    for e, t in it.entries:
+        if e.value is None and e.step.fetch[e.out] is None and \
+                sys.getrefcount(t) > _BASE_REFS:
+            return True
+    return False
+
+
 def _held(pair, tensors, ours):
     """Whether Python still holds the stand-in of an (entry, stand-in) pair (``ours``: the
     references Terra holds elsewhere, by id); if not, forget its entry."""

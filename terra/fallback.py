@@ -119,11 +119,20 @@ class GraphStuck(TimeoutError):
 
 
 def restore(job, timeout):
-    """Wait for ``job`` to stop and put back the variables it may have written."""
+    """Wait for ``job`` to stop and put back the variables it may have written.
+
+    A gated graph (``terra.commit``) writes nothing before Python's token. Python sends it
+    without a snapshot only once the iteration has ended and every op before the gate has
+    run: a fallback after that (the graph failing in its writes, out of memory) cannot be
+    undone, and is raised as :class:`GraphStuck` (Terra gives up) rather than replayed onto
+    written variables."""
     if not job.done.wait(timeout):
         raise GraphStuck(f"the graph did not stop within {timeout:.0f}s of being cancelled")
     if job.snapshot is not None:
         assign(job.graph.written, job.snapshot)
+    elif job.committed and job.graph.written:
+        raise GraphStuck("the iteration fell back after its graph was let write its "
+                         "variables without a snapshot")
 
 
 def assign(written, values):

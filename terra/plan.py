@@ -100,7 +100,7 @@ class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
     def __init__(self, start, steps, switch_cases, function, written, rewriters_off=(),
-                 loops=()):
+                 loops=(), commit=(None, None, frozenset())):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
         self.loops = loops  # the loop nodes (terra.loops), each a While
@@ -115,6 +115,10 @@ class SymbolicGraph:
             attrs["config_proto"] = _with_rewriters_off(attrs["config_proto"], rewriters_off)
         self.call_attrs = tuple(itertools.chain(*attrs.items()))
         self.snapshot_fn = _snapshot_function(written)
+        # the commit gate (terra.commit): its channel (None: every job snapshots first),
+        # the channel saying every op before it ran, and the ids of the fetch channels the
+        # graph fills only after it
+        self.commit, self.ready, self.late = commit
 
     def freeze(self):
         """From here on a step refuses writes (the plan is a contract the runner only reads):
@@ -129,6 +133,8 @@ class SymbolicGraph:
         (``PythonRunner.finish``)."""
         queues.settle()
         channels = {id(c): c for _, c in self.switch_cases if c is not None}
+        if self.commit is not None:
+            channels.update({id(self.commit): self.commit, id(self.ready): self.ready})
         for step in self.steps.values():  # region and loop bodies among them
             found = [*step.feed, *step.out_feed, *step.fetch]
             if step.backward_feeds:

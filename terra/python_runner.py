@@ -20,7 +20,7 @@ from tensorflow.python.eager.core import _NotOkStatusException
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
 from tensorflow.python.util import nest
 
-from terra import escapes, functions, opdefs, path
+from terra import commit, escapes, functions, opdefs, path
 from terra.divergence import (
     Divergence,
     GraphFailed,
@@ -113,6 +113,8 @@ class PythonRunner:
         self.checks = Validation(self.step_of, tensors, self.seqs, self.value_of)
         self.standins = StandIns(self, tensors)
         self.waiting = Waiting(start, watchdog, timeout)
+        self.verifying = lambda: True  # the runtime's: verify mode replays this iteration
+        self.snapshots = 0  # taken at commit points
 
     @property
     def wait_cm(self):
@@ -174,7 +176,7 @@ class PythonRunner:
                 if step.puts is not None and (n or self._took != (cur, self.seq)):
                     self._take(step, i)
             self.cur = _ENDED
-        self._path_end()
+        self._path_end(closing=True)
 
     # -- the two doors ------------------------------------------------------------------
     def fast(self, ctx, op_type, name, args):
@@ -415,6 +417,8 @@ class PythonRunner:
         if channel is None:
             raise Divergence(f"new fetch point: value of {step.op_type} {step.node!r} "
                              f"({where(step)})", "new fetch point")
+        if id(channel) in self.graph.late:  # filled after the commit gate: let it write
+            self._commit(True)
         e.value = self.waiting.value(channel, e.visit, it.job, step)
         return e.value
 
@@ -486,9 +490,22 @@ class PythonRunner:
         self.it.fetch_visits.append((step, visit))
         self.visits[step] = visit + 1
 
-    def _path_end(self):
+    def _commit(self, snapshot):
+        """Let a gated graph write (``terra.commit``), with a snapshot first if asked."""
+        if self.graph.commit is not None and commit.send(self.graph, self.it.job, snapshot):
+            self.snapshots += 1
+
+    def _path_end(self, closing=False):
+        """The path is matched (``closing``: and the iteration ends): wait for the graph (a
+        gated one, ``terra.commit``, only up to its gate until the iteration ends)."""
+        it = self.it
+        job = it.job
         try:
-            self.waiting.job(self.it.job, self.cur)
+            if self.graph.commit is not None and not job.committed:
+                if not commit.ready(self.graph, job, self.waiting, self.cur, closing):
+                    return  # an op, a read or Terra itself may still fall back
+                self._commit(self.verifying() or escapes.unfetchable(it))
+            self.waiting.job(job, self.cur)
         except GraphFailed as g:
             g.at_end = True
             raise

@@ -67,6 +67,7 @@ class Stats:
     verify_differences: int = 0  # values and variables they found differing from eager's
     verify_time: float = 0.0  # seconds verify mode took (not booked to Terra's ledger)
     plain_tapes: int = 0  # tape enters that acted as plain GradientTapes (explain() says why)
+    snapshots: int = 0  # co-executed iterations whose written variables were read first
 
 
 class Runtime:
@@ -275,12 +276,14 @@ class Runtime:
         self.graph = graph
         self.stats.graph_generations += 1
         self.graph_runner  # noqa: B018 - starts the GraphRunner and watchdog threads
-        if self.runner is not None:  # stall time of earlier graphs
+        if self.runner is not None:  # stall time and snapshots of earlier graphs
             self.stats.python_stall += self.runner.stall_time
+            self.stats.snapshots += self.runner.snapshots
         self.runner = PythonRunner(self.graph, hooks.tensors, hooks.original_numpy, self._watchdog,
                                    config.timeout, self.handle, self.graph_runner.submit,
                                    self.sites)
         self.runner.waiting.syncs = self.syncs
+        self.runner.verifying = self.verifier.will_keep  # its snapshot (terra.commit)
         self.phase = "coexecution"
         if config.freeze_gc:  # what tracing and generation left behind is not walked again
             gc.collect(1)
@@ -454,9 +457,11 @@ class Runtime:
         s = dataclasses.replace(self.stats)
         if self.runner is not None:
             s.python_stall += self.runner.stall_time
+            s.snapshots += self.runner.snapshots
         if self._graph_runner is not None:
             s.graph_exec = self._graph_runner.busy_time
             s.graph_idle = self._graph_runner.idle_time
+            s.snapshots += self._graph_runner.snapshots
         s.skipped_calls = self.regions.skipped
         s.plain_tapes = events.plain_tape_count()
         return s
