@@ -31,6 +31,7 @@ from tensorflow.python.framework import errors
 
 from terra import events, hooks, interception, library_regions, profiling, syncs, verify
 from terra import fallback as fallback_lib
+from terra.clocks import Clocks
 from terra.config import config
 from terra.divergence import (
     Divergence,
@@ -68,6 +69,12 @@ class Stats:
     verify_time: float = 0.0  # seconds verify mode took (not booked to Terra's ledger)
     plain_tapes: int = 0  # tape enters that acted as plain GradientTapes (explain() says why)
     snapshots: int = 0  # co-executed iterations whose written variables were read first
+    # the iterations begun in co-execution: seconds of wall time, the CPU time of the loop's
+    # thread, and of every other thread (the graph's kernels run in TF's thread pools, not in
+    # the GraphRunner's thread), to see whether the two runners contend for the cores
+    coexec_wall: float = 0.0
+    python_cpu: float = 0.0
+    graph_cpu: float = 0.0
 
 
 class Runtime:
@@ -87,6 +94,7 @@ class Runtime:
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
         self.lifecycle = GraphLifecycle(self.stats, self.events.note)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
+        self._clocks = Clocks()  # the co-executed iteration's wall and CPU times
         self.span = profiling.Phase()  # the profiler's span of the phase under way
         self.syncs = syncs.SyncLog()  # where Python waited for the graph (explain())
         self.ctx = context.context()
@@ -123,9 +131,12 @@ class Runtime:
         """The outermost tape is entered: the iteration before ends (and is booked), the next
         one begins in the phase that follows."""
         self._end_iteration()
+        self._clocks.stop(self.stats)
         self.span.end()
         self._book()
         self._begin_iteration()
+        if self.phase == "coexecution":
+            self._clocks.start()
 
     def _book(self):
         """Enter the iteration that just ended in the cost ledger; stop if Terra is not
@@ -463,6 +474,7 @@ class Runtime:
             s.graph_idle = self._graph_runner.idle_time
             s.snapshots += self._graph_runner.snapshots
         s.skipped_calls = self.regions.skipped
+        self._clocks.add(s)  # the iteration under way
         s.plain_tapes = events.plain_tape_count()
         return s
 
