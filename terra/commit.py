@@ -1,33 +1,32 @@
-"""The commit point: the graph writes no variable until Python says the iteration can no
-longer fall back, so most iterations need no snapshot (section 3.9).
+"""The commit point: a graph writes no variable until Python says its iteration has ended,
+so most iterations need no snapshot (section 3.9).
 
 A fallback restores the variables the graph writes to their values at the iteration's start.
 Reading them all before every job (the snapshot) costs a copy of every written buffer, since
 the graph's first write then copies on write: for an Adam-trained ResNet50, 23M parameters
-and two slots each, ~250 MB more resident memory and a memcpy per step. Yet the graph writes
-only at the end of the path (the optimizer update), and by the time Python has matched the
-path's last step, most iterations cannot fall back any more.
+and two slots each, ~250 MB more resident memory and a memcpy per step.
 
-So where the plan allows it, the graph is built with a gate: the first op that writes a
-variable, and everything emitted after it, waits (control dependency) for a dequeue from the
-``commit`` channel, and that dequeue waits for every op emitted before it. Python puts the
-token (:func:`send`) at the path's end, before it waits for the job; before the token,
-nothing is written, so a fallback restores nothing. At the token Python decides whether a
-fallback can still come (``snapshot``): a tape still open (an op after the path's end would
-then fall back), a stand-in Python holds that the graph does not return (reading it, or
-keeping it past the iteration, falls back), verify mode's iteration, or a wait for a value
-computed after the gate (a metric read after its update: the graph cannot give it before
-the token). Only then does Python read the variables first, as the GraphRunner did before
-every job.
+So where the plan allows it, the graph gets a gate (:func:`gate`): its writes, and every op
+that follows from them, wait (control dependency) for a dequeue from the ``commit`` channel,
+which waits for a ``ready`` enqueue, which waits for every other op. At the path's end Python
+waits for ``ready`` only (:func:`ready`: the graph's errors are still this iteration's), and
+sends the token (:func:`send`) when the iteration ends: the next tape enter, an op after the
+path's end, ``terra.reset()``. Until then nothing is written, so a fallback (a new op in a
+tape still open, a read of a value the graph does not return, Terra's own failure) restores
+nothing. At the token Python reads the variables first (nothing is written yet) only if a
+fallback can still come: verify mode's iteration, or a stand-in Python holds that the graph
+does not return; and before waiting for a value the gated ops compute (a metric read after
+its update), which the graph cannot give before the token.
 
 The plan allows a gate when every write is an op of the function's top level (not inside a
-switch-case or a loop, whose op would hold back everything in it) and every op after the
-first write is one that cannot fail at run time on the shapes the plan checked (variable
-reads and writes, elementwise float math, queue ops, ``SAFE_OPS``): the gate's dependency
-on all earlier ops means that if the graph fails, it failed before writing anything. Other
+switch-case or a loop, whose op would hold back everything in it) and every gated op is one
+that cannot fail at run time on the shapes the plan checked (variable reads and writes,
+dense optimizer updates, elementwise float math, queue ops: ``SAFE_OPS``): since the gate
+waits for every other op, a graph that fails has failed before writing anything. Other
 graphs keep the snapshot before every job (``graph_runner``).
 """
 
+from tensorflow.python.eager import record
 from tensorflow.python.framework import constant_op, dtypes, ops
 
 from terra import interception, opdefs, syncs
@@ -58,6 +57,10 @@ _CONTROL_FLOW = frozenset({"Case", "StatelessCase", "If", "StatelessIf", "While"
 
 
 def _safe(op):
+    # shapes known when the graph was built are the run's (dequeues check theirs): no
+    # broadcast or assignment can then meet a shape it rejects
+    if not all(x.shape.is_fully_defined() for x in op.inputs if x.dtype != dtypes.resource):
+        return False
     if op.type in SAFE_OPS:
         return True
     if op.type in _FLOAT_ONLY:
@@ -132,7 +135,7 @@ def send(graph, job, snapshot):
         return False
     job.committed = True
     if snapshot and graph.snapshot_fn is not None:
-        with interception.paused():  # Terra's read, not the user's op
+        with interception.paused(), record.stop_recording():  # Terra's read, not the user's
             job.snapshot = graph.snapshot_fn()
     if not _TOKEN:
         with interception.paused():
