@@ -48,7 +48,7 @@ SAFE_OPS = frozenset({
 _FLOAT_ONLY = frozenset({"RealDiv", "Div", "Pow", "Reciprocal", "Inv", "Mean", "FloorDiv",
                          "FloorMod", "Mod", "TruncateDiv"})
 _NOT_GATED = frozenset({"Placeholder", "Const"})  # function inputs and constants
-NO_GATE = (None, None, frozenset())
+NO_GATE = (None, None, frozenset(), frozenset())
 _NOT_WRITES = frozenset({"QueueEnqueueV2", "QueueDequeueV2", "Assert", "CheckNumerics",
                          "CheckNumericsV2"})
 # functional control flow: a write inside is the emitter's to see (``Emitter.first_write``)
@@ -82,21 +82,22 @@ def gate(graph, first_write, enqueued):
 
     The gated ops are the writes and what follows from them: their consumers, and any later
     op on a resource a gated op used (TF's automatic control dependencies will order it after
-    the write). Returns the commit channel, the ``ready`` channel (a value once every op not
-    gated has run, so Python can wait for the graph's errors without letting it write) and
-    the ids of the fetch channels the gated ops fill; or ``NO_GATE`` where a gated op might
-    fail at run time (the module's docstring)."""
+    the write). Where a gated op might fail at run time, the variables whose writes it
+    follows from are written early instead, ungated, and snapshotted before every job (a
+    Keras 3 dropout's seed generator, whose state the next dropout reads again: 2 numbers,
+    not the model). Returns the commit channel, the ``ready`` channel (a value once every op
+    not gated has run, so Python can wait for the graph's errors without letting it write),
+    the ids of the fetch channels the gated ops fill and the ids of the early variables'
+    handles; or ``NO_GATE`` where nothing would be gated (the module's docstring)."""
     everything = graph.get_operations()
-    gated, used = set(), set()  # gated ops; the resources they used, as (op, output index)
-    for op in everything[first_write:]:
-        resources = [(x.op, x.value_index) for x in op.inputs if x.dtype == dtypes.resource]
-        if op.type not in _CONTROL_FLOW and may_write(op.type) or \
-                any(x.op in gated for x in op.inputs) or \
-                any(c in gated for c in op.control_inputs) or any(r in used for r in resources):
-            if not _safe(op):
-                return NO_GATE
-            gated.add(op)
-            used.update(resources)
+    early = set()  # resources written early, as (op, output index) of their placeholders
+    while True:
+        gated, unsafe = _gated(everything[first_write:], early)
+        if unsafe is None:
+            break
+        if not unsafe or unsafe <= early:
+            return NO_GATE
+        early |= unsafe
     if not gated:
         return NO_GATE
     free = [op for op in everything if op not in gated and op.type not in _NOT_GATED]
@@ -121,7 +122,35 @@ def gate(graph, first_write, enqueued):
                 not any(c in gated for c in op.control_inputs):
             op._add_control_input(token)
     late = frozenset(id(c) for op, c in enqueued if op in gated)
-    return channel, ready, late
+    outer = {inner.op: outer._id for outer, inner in graph.captures}
+    return channel, ready, late, frozenset(outer[op] for op, _ in early if op in outer)
+
+
+def _gated(ops_, early):
+    """The ops gated when the writes of the ``early`` resources are not, each with the
+    resources whose writes it follows from; and the resources of the first gated op that
+    might fail (None if none does)."""
+    gated = {}  # op -> the written resources it follows from
+    users = {}  # resource -> the written resources the gated ops using it follow from
+    for op in ops_:
+        resources = [(x.op, x.value_index) for x in op.inputs if x.dtype == dtypes.resource]
+        roots = set()
+        if op.type not in _CONTROL_FLOW and may_write(op.type):
+            roots.update(r for r in resources if r not in early)
+        for x in op.inputs:
+            roots |= gated.get(x.op, set())
+        for c in op.control_inputs:
+            roots |= gated.get(c, set())
+        for r in resources:
+            roots |= users.get(r, set())
+        if not roots:
+            continue
+        if not _safe(op):
+            return gated, roots
+        gated[op] = roots
+        for r in resources:
+            users.setdefault(r, set()).update(roots)
+    return gated, None
 
 
 _TOKEN = []
@@ -134,9 +163,9 @@ def send(graph, job, snapshot):
     if job.committed:
         return False
     job.committed = True
-    if snapshot and graph.snapshot_fn is not None:
+    if snapshot and graph.gated_fn is not None:
         with interception.paused(), record.stop_recording():  # Terra's read, not the user's
-            job.snapshot = graph.snapshot_fn()
+            job.snapshot = graph.gated_fn()
     if not _TOKEN:
         with interception.paused():
             _TOKEN.append(constant_op.constant(0, dtype=dtypes.int32))

@@ -18,12 +18,13 @@ from tensorflow.python.framework import ops
 _EagerTensor = ops.EagerTensor
 
 
-def finish(it, tensors, unread):
-    """Sweep the ended iteration ``it``: give the entries Python still holds their values
-    (``unread``: the values its fetch channels held that nobody read, by step, visit and
-    output) and return those the graph gave none. If none, the iteration is released."""
+def finish(it, tensors, unread, held=None):
+    """Sweep the ended iteration ``it`` (unless ``held``, what a sweep already returned):
+    give the entries Python still holds their values (``unread``: the values its fetch
+    channels held that nobody read, by step, visit and output) and return those the graph
+    gave none. If none, the iteration is released."""
     uncovered = []
-    for e in sweep(it, tensors):  # Python still holds it: give it its value now
+    for e in sweep(it, tensors) if held is None else held:  # Python still holds it
         if e.value is None:
             e.value = unread.get((e.step, e.visit, e.out))
             if e.value is None:
@@ -53,17 +54,11 @@ def sweep(it, tensors):
     return [e for e, _ in held]
 
 
-def unfetchable(it):
-    """Whether Python may still hold a stand-in of the iteration ``it`` that has no value and
-    that the graph does not return: reading it, or keeping it past the iteration, would fall
-    back (the commit point's question, ``terra.commit``). Reference counts as
-    :func:`sweep` reads them, but nothing is forgotten, and references from custom
-    gradients' closures count as Python's (so it errs towards yes)."""
-    for e, t in it.entries:
-        if e.value is None and e.step.fetch[e.out] is None and \
-                sys.getrefcount(t) > _BASE_REFS:
-            return True
-    return False
+def unfetchable(held):
+    """Whether an entry Python still holds (``held``: what :func:`sweep` returned) has no
+    value and is not returned by the graph: :func:`finish` will find it uncovered, and the
+    runtime fall back (the commit point's question, ``terra.commit``)."""
+    return any(e.value is None and e.step.fetch[e.out] is None for e in held)
 
 
 def _held(pair, tensors, ours):

@@ -128,9 +128,12 @@ def restore(job, timeout):
     written variables."""
     if not job.done.wait(timeout):
         raise GraphStuck(f"the graph did not stop within {timeout:.0f}s of being cancelled")
+    graph = job.graph
+    if job.early is not None:
+        assign(graph.written[:graph.n_early], job.early)
     if job.snapshot is not None:
-        assign(job.graph.written, job.snapshot)
-    elif job.committed and job.graph.written:
+        assign(graph.gated, job.snapshot)
+    elif job.committed and graph.gated:
         raise GraphStuck("the iteration fell back after its graph was let write its "
                          "variables without a snapshot")
 

@@ -22,7 +22,7 @@ from terra import profiling
 
 class Job:
     __slots__ = ("graph", "step", "cm", "done", "error", "snapshot", "cancelled",
-                 "submitted", "started", "exec_time", "committed", "ready")
+                 "submitted", "started", "exec_time", "committed", "ready", "early")
 
     def __init__(self, graph, step=0):
         self.graph = graph
@@ -30,6 +30,7 @@ class Job:
         self.cm = cancellation.CancellationManager()
         self.done = threading.Event()
         self.error = self.snapshot = None
+        self.early = None  # the snapshot of the variables a gated graph writes before its gate
         self.cancelled = self.submitted = self.started = False
         self.committed = False  # the commit token was sent (terra.commit)
         self.ready = False  # Python saw every op before the commit gate run
@@ -89,6 +90,8 @@ class GraphRunner:
             if g.snapshot_fn is not None and g.commit is None:
                 job.snapshot = g.snapshot_fn()
                 self.snapshots += 1
+            elif g.early_fn is not None:
+                job.early = g.early_fn()
             execute.execute_with_cancellation(
                 g.fn_name, 0, g.captures, g.call_attrs, ctx, job.cm)
         except Exception as e:  # noqa: BLE001 - every failure is handed to the PythonRunner

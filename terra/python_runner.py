@@ -57,7 +57,7 @@ class Iteration:
     what the sweep at its end looks at."""
 
     __slots__ = ("job", "log", "entries", "fed", "fetch_visits", "seq0", "took", "signature",
-                 "customs")
+                 "customs", "held")
 
     def __init__(self, job):
         self.job = job
@@ -72,11 +72,13 @@ class Iteration:
         self.entries = []  # (entry, stand-in) of every tensor handed to Python
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
         self.fetch_visits = []  # (step, visit) of the steps with fetch channels it passed
+        self.held = None  # the entries Python held when it ended, if swept before its end
 
     def release(self):
         """Nothing will be replayed any more: let go of the batches, tapes and snapshot (a
         stand-in Python keeps holds its entry, and the entry this iteration)."""
-        self.log = self.fed = self.customs = self.job.snapshot = None
+        self.log = self.fed = self.customs = self.held = None
+        self.job.snapshot = self.job.early = None
 
 
 class PythonRunner:
@@ -504,7 +506,8 @@ class PythonRunner:
             if self.graph.commit is not None and not job.committed:
                 if not commit.ready(self.graph, job, self.waiting, self.cur, closing):
                     return  # an op, a read or Terra itself may still fall back
-                self._commit(self.verifying() or escapes.unfetchable(it))
+                it.held = escapes.sweep(it, self.tensors)  # finish() gives them values
+                self._commit(self.verifying() or escapes.unfetchable(it.held))
             self.waiting.job(job, self.cur)
         except GraphFailed as g:
             g.at_end = True
@@ -516,7 +519,7 @@ class PythonRunner:
         them their values, taking the fetched values nobody read so the unbounded channels do
         not grow. Returns the kept entries the graph gave no value."""
         it = self.it
-        return escapes.finish(it, self.tensors, self.waiting.unread(it))
+        return escapes.finish(it, self.tensors, self.waiting.unread(it), it.held)
 
     def sweep(self, it):
         """Forget the entries of ``it`` whose stand-ins Python has dropped; return the others

@@ -147,8 +147,10 @@ class Verifier:
         if graph.snapshot_fn is not None:
             with interception.paused():  # Terra's read, not the user's op
                 after = graph.snapshot_fn()
+        before = job.snapshot if job.early is None or job.snapshot is None else \
+            [*job.early, *job.snapshot]  # graph.written: those before the gate first
         kept = _Kept(self.stats.iterations, it.log, it.customs, graph.written,
-                     graph.snapshot_fn, job.snapshot, after)
+                     graph.snapshot_fn, before, after)
         self.stats.verify_time += time.perf_counter() - began
         return kept
 
