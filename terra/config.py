@@ -110,6 +110,9 @@ class Config:
         (``terra.DivergenceError`` at the next tape enter or op) or ``"warn"`` (a
         ``terra.DivergenceWarning``, and the run goes on). Either way Terra runs eagerly
         from there, from eager's variables.
+      commit: (``TERRA_COMMIT``) graphs whose writes all come at the path's end wait for
+        Python's word before writing, so an iteration that can no longer fall back needs no
+        snapshot of the written variables (``terra.commit``); off, every job snapshots.
     """
 
     disable: bool = False
@@ -133,6 +136,7 @@ class Config:
     verify_rtol: float = 1e-5
     verify_atol: float = 1e-6
     verify_action: str = "raise"
+    commit: bool = True
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -154,6 +158,7 @@ class Config:
             verify_rtol=float(os.environ.get("TERRA_VERIFY_RTOL", "1e-5")),
             verify_atol=float(os.environ.get("TERRA_VERIFY_ATOL", "1e-6")),
             verify_action=_action(os.environ.get("TERRA_VERIFY_ACTION", "raise")),
+            commit=_env_flag("TERRA_COMMIT", default=True),
         )
 
 

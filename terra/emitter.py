@@ -34,6 +34,7 @@ from tensorflow.python.ops import (
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from terra import opdefs
+from terra.commit import may_write
 from terra.folding import static_value
 from terra.graph_ops import call_function, keep_eager_rounding, mark_for_xla, placeholder
 from terra.keys import Out, Phi, Read, spec, value_key
@@ -78,7 +79,10 @@ class Emitter:
     directly (read by a Python-run op, or a gradient result whose shape varies); ``unseen``:
     backward ops Python never sees; ``phi_of``, ``slots``: the phi slots each value
     updates. After :meth:`__call__` has run (inside the function being traced), ``written``
-    holds the variables the graph writes."""
+    holds the variables the graph writes; ``first_write``, the index among the top graph's
+    ops before which no op changes state (None: none does, or one inside a switch-case or
+    loop does), and ``enqueued``, every fetch point's ``(enqueue op, Channel)``: the commit
+    gate's (``terra.commit``)."""
 
     def __init__(self, name, steps, planned, exports, loops, conds, symbolic, wanted, unseen,
                  phi_of, slots, xla, exact):
@@ -89,6 +93,9 @@ class Emitter:
         self.phi_of, self.slots = phi_of, slots
         self.xla, self.exact = xla, exact
         self.written = {}
+        self.first_write = None
+        self._nested_write = False
+        self.enqueued = []
         self._segments = itertools.count()  # XLA scopes: a new one after every fetch
         self._scope = None
         self._looping = False  # emitting a loop's body
@@ -124,6 +131,8 @@ class Emitter:
             if any(fetched):
                 last_fetch[:] = [op for op in graph.get_operations()[n_ops:]
                                  if op.type in ("Case", "StatelessCase")]
+        if self._nested_write:
+            self.first_write = None
 
     def _emit_block(self, block, env, last_fetch):
         for head in block:
@@ -161,6 +170,11 @@ class Emitter:
             return
         inputs = [self._slot_tensor(step, i, slot, env, last_fetch)
                   for i, slot in enumerate(step.slots)]
+        if may_write(node.op_type):  # the commit gate's (terra.commit)
+            if graph is not self._top or self._looping:
+                self._nested_write = True
+            elif self.first_write is None:
+                self.first_write = n_ops
         if opdefs.info(node.op_type).op_def is None:  # a tf.function's forward or backward
             op = call_function(graph, node, inputs)
         else:
@@ -312,6 +326,7 @@ class Emitter:
                 attrs={"Tcomponents": opdefs.attr_value("list(type)", [channel.dtype]),
                        "timeout_ms": opdefs.attr_value("int", -1)})
         last_fetch[:] = [op]
+        self.enqueued.append((op, channel))
         self._scope = None
         step.fetch[k] = channel
         step.has_fetch = True

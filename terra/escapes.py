@@ -18,12 +18,13 @@ from tensorflow.python.framework import ops
 _EagerTensor = ops.EagerTensor
 
 
-def finish(it, tensors, unread):
-    """Sweep the ended iteration ``it``: give the entries Python still holds their values
-    (``unread``: the values its fetch channels held that nobody read, by step, visit and
-    output) and return those the graph gave none. If none, the iteration is released."""
+def finish(it, tensors, unread, held=None):
+    """Sweep the ended iteration ``it`` (unless ``held``, what a sweep already returned):
+    give the entries Python still holds their values (``unread``: the values its fetch
+    channels held that nobody read, by step, visit and output) and return those the graph
+    gave none. If none, the iteration is released."""
     uncovered = []
-    for e in sweep(it, tensors):  # Python still holds it: give it its value now
+    for e in sweep(it, tensors) if held is None else held:  # Python still holds it
         if e.value is None:
             e.value = unread.get((e.step, e.visit, e.out))
             if e.value is None:
@@ -51,6 +52,13 @@ def sweep(it, tensors):
     for _, t in held:
         weakref.finalize(t, tensors.pop, t._id, None)
     return [e for e, _ in held]
+
+
+def unfetchable(held):
+    """Whether an entry Python still holds (``held``: what :func:`sweep` returned) has no
+    value and is not returned by the graph: :func:`finish` will find it uncovered, and the
+    runtime fall back (the commit point's question, ``terra.commit``)."""
+    return any(e.value is None and e.step.fetch[e.out] is None for e in held)
 
 
 def _held(pair, tensors, ours):

@@ -109,11 +109,13 @@ def watch_read(tapes, op_type, handle):
 
     Eager tapes learn of a variable from ``variable_accessed`` before the read op runs. In
     co-execution no real tape is active then, so a read replayed, or run eagerly right after
-    a fallback, must be announced here or its gradient would be missing."""
+    a fallback, must be announced here or its gradient would be missing. A non-persistent
+    tape whose gradient was taken no longer records (TF popped it), as eagerly."""
     if op_type in _READS:
         for tape in tapes:
-            if tape.watch_accessed_variables and tape.real is not None:
-                tape.real.watch(handle)
+            real = tape.real
+            if tape.watch_accessed_variables and real is not None and real._tape is not None:
+                real.watch(handle)
 
 
 class GraphStuck(TimeoutError):
@@ -122,11 +124,23 @@ class GraphStuck(TimeoutError):
 
 
 def restore(job, timeout):
-    """Wait for ``job`` to stop and put back the variables it may have written."""
+    """Wait for ``job`` to stop and put back the variables it may have written.
+
+    A gated graph (``terra.commit``) writes nothing before Python's token. Python sends it
+    without a snapshot only once the iteration has ended and every op before the gate has
+    run: a fallback after that (the graph failing in its writes, out of memory) cannot be
+    undone, and is raised as :class:`GraphStuck` (Terra gives up) rather than replayed onto
+    written variables."""
     if not job.done.wait(timeout):
         raise GraphStuck(f"the graph did not stop within {timeout:.0f}s of being cancelled")
+    graph = job.graph
+    if job.early is not None:
+        assign(graph.written[:graph.n_early], job.early)
     if job.snapshot is not None:
-        assign(job.graph.written, job.snapshot)
+        assign(graph.gated, job.snapshot)
+    elif job.committed and graph.gated:
+        raise GraphStuck("the iteration fell back after its graph was let write its "
+                         "variables without a snapshot")
 
 
 def assign(written, values):

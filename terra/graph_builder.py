@@ -42,7 +42,7 @@ import itertools
 from tensorflow.python.eager import def_function
 from tensorflow.python.framework import constant_op, ops
 
-from terra import regions
+from terra import commit, regions
 from terra.config import config
 from terra.emitter import Emitter, KeepUnrolled, NotSymbolic
 from terra.graph_ops import EXACT_OFF
@@ -101,14 +101,20 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
     emitter = Emitter(name, steps, planned, exports_of(planned, steps), loops, conds,
                       symbolic, wanted, unseen, phi_of, slots, xla, exact)
 
+    gated = []
+
     def body():
         emitter()
+        if emitter.first_write is not None and config.commit:
+            gated[:] = commit.gate(ops.get_default_graph(), emitter.first_write,
+                                   emitter.enqueued)
 
     body.__name__ = name
     function = def_function.function(body, autograph=False).get_concrete_function()
     off = finish_plan(tracegraph, steps, symbolic, unseen, varying, xla, exact)
     graph = SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
-                          list(emitter.written.values()), rewriters_off=off, loops=list(loops))
+                          list(emitter.written.values()), rewriters_off=off, loops=list(loops),
+                          commit=gated or commit.NO_GATE)
     if config.check:
         graph.freeze()
     return graph

@@ -2,11 +2,13 @@
 
 Each iteration is a :class:`Job` with its own ``CancellationManager``; the function is called
 with ``execute_with_cancellation`` from this thread (``get_cancelable_function`` sets a
-module-global context and is not thread-safe). Before the call the runner snapshots the
-variables the graph writes (reads alias the buffers; TF copies on write), which is what a
-fallback restores. Jobs run strictly in order, so the snapshot of job *i* is the state at the
-start of iteration *i*. While a profiler records, each call is a ``terra_graph_step`` span with
-the iteration's number as ``step_num`` (``terra.profiling``).
+module-global context and is not thread-safe). For a graph without a commit gate
+(``terra.commit``) the runner snapshots the variables the graph writes before the call (reads
+alias the buffers; TF copies on write), which is what a fallback restores; a gated graph
+writes nothing until Python's token, which decides whether Python snapshots. Jobs run
+strictly in order, so the snapshot of job *i* is the state at the start of iteration *i*.
+While a profiler records, each call is a ``terra_graph_step`` span with the iteration's
+number as ``step_num`` (``terra.profiling``).
 """
 
 import queue
@@ -20,7 +22,7 @@ from terra import profiling
 
 class Job:
     __slots__ = ("graph", "step", "cm", "done", "error", "snapshot", "cancelled",
-                 "submitted", "started", "exec_time")
+                 "submitted", "started", "exec_time", "committed", "ready", "early")
 
     def __init__(self, graph, step=0):
         self.graph = graph
@@ -28,7 +30,10 @@ class Job:
         self.cm = cancellation.CancellationManager()
         self.done = threading.Event()
         self.error = self.snapshot = None
+        self.early = None  # the snapshot of the variables a gated graph writes before its gate
         self.cancelled = self.submitted = self.started = False
+        self.committed = False  # the commit token was sent (terra.commit)
+        self.ready = False  # Python saw every op before the commit gate run
         self.exec_time = 0.0
 
 
@@ -39,6 +44,7 @@ class GraphRunner:
         self._on_error = on_error  # called from this thread when a job fails on its own
         self.busy_time = 0.0
         self.idle_time = 0.0
+        self.snapshots = 0  # jobs snapshotted before their call (graphs without a gate)
         self._thread = threading.Thread(target=self._loop, name="terra-graph-runner",
                                         daemon=True)
         self._thread.start()
@@ -81,8 +87,11 @@ class GraphRunner:
         g = job.graph
         t0 = time.perf_counter()
         try:
-            if g.snapshot_fn is not None:
+            if g.snapshot_fn is not None and g.commit is None:
                 job.snapshot = g.snapshot_fn()
+                self.snapshots += 1
+            elif g.early_fn is not None:
+                job.early = g.early_fn()
             execute.execute_with_cancellation(
                 g.fn_name, 0, g.captures, g.call_attrs, ctx, job.cm)
         except Exception as e:  # noqa: BLE001 - every failure is handed to the PythonRunner

@@ -100,13 +100,21 @@ class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
     def __init__(self, start, steps, switch_cases, function, written, rewriters_off=(),
-                 loops=()):
+                 loops=(), commit=(None, None, frozenset(), frozenset())):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
         self.loops = loops  # the loop nodes (terra.loops), each a While
         self.switch_cases = switch_cases  # [(SwitchCase, Case Select channel or None)]
         self.function = function
-        self.written = written  # [(handle, dtype)] variables the graph writes
+        # the commit gate (terra.commit): its channel (None: every job snapshots first),
+        # the channel saying every op before it ran, the ids of the fetch channels the
+        # graph fills only after it, and the handles of the variables written before it
+        self.commit, self.ready, self.late, early = commit
+        # [(handle, dtype)] variables the graph writes, those written before the gate first
+        written = [w for w in written if w[0]._id in early] + \
+            [w for w in written if w[0]._id not in early]
+        self.written = written
+        self.n_early = sum(w[0]._id in early for w in written)
         inference = function._inference_function
         self.fn_name = inference.name.decode()
         self.captures = list(function.captured_inputs)
@@ -115,6 +123,14 @@ class SymbolicGraph:
             attrs["config_proto"] = _with_rewriters_off(attrs["config_proto"], rewriters_off)
         self.call_attrs = tuple(itertools.chain(*attrs.items()))
         self.snapshot_fn = _snapshot_function(written)
+        # what the GraphRunner reads before every job, and Python at the commit point
+        self.early_fn = _snapshot_function(written[:self.n_early])
+        self.gated_fn = _snapshot_function(written[self.n_early:])
+
+    @property
+    def gated(self):
+        """The variables a snapshot taken at the commit point holds (all, without a gate)."""
+        return self.written[self.n_early:]
 
     def freeze(self):
         """From here on a step refuses writes (the plan is a contract the runner only reads):
@@ -129,6 +145,8 @@ class SymbolicGraph:
         (``PythonRunner.finish``)."""
         queues.settle()
         channels = {id(c): c for _, c in self.switch_cases if c is not None}
+        if self.commit is not None:
+            channels.update({id(self.commit): self.commit, id(self.ready): self.ready})
         for step in self.steps.values():  # region and loop bodies among them
             found = [*step.feed, *step.out_feed, *step.fetch]
             if step.backward_feeds:
@@ -169,25 +187,28 @@ def _with_rewriters_off(serialized, names):
     return config.SerializeToString()
 
 
-_last_snapshot = [None, None]  # (key, function) of the last graph built
+_snapshots = {}  # handles -> function: the last graph's
 
 
 def _snapshot_function(written):
-    """The function reading every variable the graph writes (what a fallback restores). A
-    graph built again for the same program writes the same variables: the last one is
-    reused (handles keyed by ``_id``, which TF never gives twice), saving a function trace
-    per rebuild; only the last is kept, so no program's variables outlive it here."""
+    """The function reading the variables ``written`` (what a fallback restores). A graph
+    built again for the same program writes the same variables: the last graph's functions
+    are reused (handles keyed by ``_id``, which TF never gives twice), saving a function
+    trace per rebuild; only the last few are kept, so no program's variables outlive them
+    here for long."""
     if not written:
         return None
     key = tuple((h._id, dt) for h, dt in written)
-    if _last_snapshot[0] == key:
-        return _last_snapshot[1]
+    if key in _snapshots:
+        return _snapshots[key]
 
     def snapshot():
         return [gen_resource_variable_ops.read_variable_op(h, dt) for h, dt in written]
 
     fn = def_function.function(snapshot, autograph=False).get_concrete_function()
-    _last_snapshot[:] = key, fn
+    if len(_snapshots) >= 3:  # a graph's three: all, before the gate, after it
+        _snapshots.pop(next(iter(_snapshots)))
+    _snapshots[key] = fn
     return fn
 
 

@@ -20,7 +20,7 @@ from tensorflow.python.eager.core import _NotOkStatusException
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
 from tensorflow.python.util import nest
 
-from terra import escapes, functions, opdefs, path
+from terra import commit, escapes, functions, opdefs, path
 from terra.divergence import (
     Divergence,
     GraphFailed,
@@ -57,7 +57,7 @@ class Iteration:
     what the sweep at its end looks at."""
 
     __slots__ = ("job", "log", "entries", "fed", "fetch_visits", "seq0", "took", "signature",
-                 "customs")
+                 "customs", "held")
 
     def __init__(self, job):
         self.job = job
@@ -72,11 +72,13 @@ class Iteration:
         self.entries = []  # (entry, stand-in) of every tensor handed to Python
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
         self.fetch_visits = []  # (step, visit) of the steps with fetch channels it passed
+        self.held = None  # the entries Python held when it ended, if swept before its end
 
     def release(self):
         """Nothing will be replayed any more: let go of the batches, tapes and snapshot (a
         stand-in Python keeps holds its entry, and the entry this iteration)."""
-        self.log = self.fed = self.customs = self.job.snapshot = None
+        self.log = self.fed = self.customs = self.held = None
+        self.job.snapshot = self.job.early = None
 
 
 class PythonRunner(RegionSkips):
@@ -113,6 +115,8 @@ class PythonRunner(RegionSkips):
         self.checks = Validation(self.step_of, tensors, self.seqs, self.value_of)
         self.standins = StandIns(self, tensors)
         self.waiting = Waiting(start, watchdog, timeout)
+        self.verifying = lambda: True  # the runtime's: verify mode replays this iteration
+        self.snapshots = 0  # taken at commit points
 
     @property
     def wait_cm(self):
@@ -174,7 +178,7 @@ class PythonRunner(RegionSkips):
                 if step.puts is not None and (n or self._took != (cur, self.seq)):
                     self._take(step, i)
             self.cur = _ENDED
-        self._path_end()
+        self._path_end(closing=True)
 
     # -- the two doors ------------------------------------------------------------------
     def fast(self, ctx, op_type, name, args):
@@ -385,6 +389,8 @@ class PythonRunner(RegionSkips):
         if channel is None:
             raise Divergence(f"new fetch point: value of {step.op_type} {step.node!r} "
                              f"({where(step)})", "new fetch point")
+        if id(channel) in self.graph.late:  # filled after the commit gate: let it write
+            self._commit(True)
         e.value = self.waiting.value(channel, e.visit, it.job, step)
         return e.value
 
@@ -456,9 +462,23 @@ class PythonRunner(RegionSkips):
         self.it.fetch_visits.append((step, visit))
         self.visits[step] = visit + 1
 
-    def _path_end(self):
+    def _commit(self, snapshot):
+        """Let a gated graph write (``terra.commit``), with a snapshot first if asked."""
+        if self.graph.commit is not None and commit.send(self.graph, self.it.job, snapshot):
+            self.snapshots += 1
+
+    def _path_end(self, closing=False):
+        """The path is matched (``closing``: and the iteration ends): wait for the graph (a
+        gated one, ``terra.commit``, only up to its gate until the iteration ends)."""
+        it = self.it
+        job = it.job
         try:
-            self.waiting.job(self.it.job, self.cur)
+            if self.graph.commit is not None and not job.committed:
+                if not commit.ready(self.graph, job, self.waiting, self.cur, closing):
+                    return  # an op, a read or Terra itself may still fall back
+                it.held = escapes.sweep(it, self.tensors)  # finish() gives them values
+                self._commit(self.verifying() or escapes.unfetchable(it.held))
+            self.waiting.job(job, self.cur)
         except GraphFailed as g:
             g.at_end = True
             raise
@@ -469,7 +489,7 @@ class PythonRunner(RegionSkips):
         them their values, taking the fetched values nobody read so the unbounded channels do
         not grow. Returns the kept entries the graph gave no value."""
         it = self.it
-        return escapes.finish(it, self.tensors, self.waiting.unread(it))
+        return escapes.finish(it, self.tensors, self.waiting.unread(it), it.held)
 
     def sweep(self, it):
         """Forget the entries of ``it`` whose stand-ins Python has dropped; return the others

@@ -40,6 +40,10 @@ def explain(verbose: bool = False) -> str:
     if checked is not None:
         lines.append(checked)
     lines.extend(plain)
+    if s.coexec_wall > 0:
+        lines.append(f"co-executed iterations: {s.coexec_wall:.2f}s wall; CPU {s.python_cpu:.2f}s "
+                     f"in the loop's thread, {s.graph_cpu:.2f}s in the others (the graph); "
+                     f"{s.snapshots} snapshot(s) of the written variables")
     lines.extend(rt.syncs.report(s.graph_idle, limit=None if verbose else _MAX_SYNCS))
     if verbose:
         lines.extend(f"{what}{_at(loc)}: {reason}" for what, reason, loc in rt.events)

@@ -40,6 +40,7 @@ from terra import (
     verify,
 )
 from terra import fallback as fallback_lib
+from terra.clocks import Clocks
 from terra.config import config
 from terra.divergence import (
     Divergence,
@@ -77,6 +78,13 @@ class Stats:
     verify_differences: int = 0  # values and variables they found differing from eager's
     verify_time: float = 0.0  # seconds verify mode took (not booked to Terra's ledger)
     plain_tapes: int = 0  # tape enters that acted as plain GradientTapes (explain() says why)
+    snapshots: int = 0  # co-executed iterations whose written variables were read first
+    # the iterations begun in co-execution: seconds of wall time, the CPU time of the loop's
+    # thread, and of every other thread (the graph's kernels run in TF's thread pools, not in
+    # the GraphRunner's thread), to see whether the two runners contend for the cores
+    coexec_wall: float = 0.0
+    python_cpu: float = 0.0
+    graph_cpu: float = 0.0
 
 
 class Runtime:
@@ -97,6 +105,7 @@ class Runtime:
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
         self.lifecycle = GraphLifecycle(self.stats, self.events.note)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
+        self._clocks = Clocks()  # the co-executed iteration's wall and CPU times
         self.span = profiling.Phase()  # the profiler's span of the phase under way
         self.syncs = syncs.SyncLog()  # where Python waited for the graph (explain())
         self.ctx = context.context()
@@ -135,9 +144,12 @@ class Runtime:
         """The outermost tape is entered: the iteration before ends (and is booked), the next
         one begins in the phase that follows."""
         self._end_iteration()
+        self._clocks.stop(self.stats)
         self.span.end()
         self._book()
         self._begin_iteration()
+        if self.phase == "coexecution":
+            self._clocks.start()
 
     def _book(self):
         """Enter the iteration that just ended in the cost ledger; stop if Terra is not
@@ -288,12 +300,14 @@ class Runtime:
         self.graph = graph
         self.stats.graph_generations += 1
         self.graph_runner  # noqa: B018 - starts the GraphRunner and watchdog threads
-        if self.runner is not None:  # stall time of earlier graphs
+        if self.runner is not None:  # stall time and snapshots of earlier graphs
             self.stats.python_stall += self.runner.stall_time
+            self.stats.snapshots += self.runner.snapshots
         self.runner = PythonRunner(self.graph, hooks.tensors, hooks.original_numpy, self._watchdog,
                                    config.timeout, self.handle, self.graph_runner.submit,
                                    self.sites)
         self.runner.waiting.syncs = self.syncs
+        self.runner.verifying = self.verifier.will_keep  # its snapshot (terra.commit)
         self.phase = "coexecution"
         if config.freeze_gc:  # what tracing and generation left behind is not walked again
             gc.collect(1)
@@ -467,11 +481,14 @@ class Runtime:
         s = dataclasses.replace(self.stats)
         if self.runner is not None:
             s.python_stall += self.runner.stall_time
+            s.snapshots += self.runner.snapshots
         if self._graph_runner is not None:
             s.graph_exec = self._graph_runner.busy_time
             s.graph_idle = self._graph_runner.idle_time
+            s.snapshots += self._graph_runner.snapshots
         s.skipped_calls = self.regions.skipped
         s.skipped_layer_calls = self.layers.skipped
+        self._clocks.add(s)  # the iteration under way
         s.plain_tapes = events.plain_tape_count()
         return s
 

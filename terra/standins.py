@@ -8,7 +8,10 @@ op's output shapes vary with its input shapes, :meth:`StandIns.specs` finds them
 input shapes the traces had, else from the op's shape function.
 """
 
+import mmap
+
 import numpy as np
+from tensorflow.python.dlpack.dlpack import from_dlpack
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
 from tensorflow.python.ops import gen_optional_ops
@@ -19,6 +22,27 @@ from terra.nodes import SMALL_CONST, SlotKind
 from terra.plan import where
 
 _EagerTensor = ops.EagerTensor
+
+
+_UNTOUCHED_BYTES = 1 << 16
+
+
+def _untouched(shape, dt):
+    """A large dummy whose memory the process never touches: zero pages of an anonymous map,
+    which TF aliases through DLPack (a constant would copy them), so it costs address space,
+    not resident memory (ResNet50's 52 dummies held 40 MB). None for a small or unusual
+    one (a string, a dtype numpy or DLPack lacks)."""
+    if dt == dtypes.string or not dt.is_numpy_compatible:
+        return None
+    np_dtype = np.dtype(dt.as_numpy_dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    if size < _UNTOUCHED_BYTES:
+        return None
+    try:
+        array = np.frombuffer(mmap.mmap(-1, size), dtype=np_dtype).reshape(shape)
+        return from_dlpack(array.__dlpack__())
+    except (BufferError, TypeError, ValueError, errors.OpError):
+        return None
 
 
 class Entry:
@@ -97,9 +121,11 @@ class StandIns:
             return dummy
         if dt in (dtypes.resource, dtypes.variant):
             raise Divergence(f"cannot stand in for a {dt.name} tensor", "unsupported")
-        fill = b"" if dt == dtypes.string else 0
-        dummy = self.dummies[spec] = constant_op.constant(
-            np.full(shape, fill, dtype=dt.as_numpy_dtype))
+        dummy = _untouched(shape, dt)
+        if dummy is None:
+            fill = b"" if dt == dtypes.string else 0
+            dummy = constant_op.constant(np.full(shape, fill, dtype=dt.as_numpy_dtype))
+        self.dummies[spec] = dummy
         return dummy
 
     def specs(self, step, flat):

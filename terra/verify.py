@@ -127,6 +127,11 @@ class Verifier:
         self.ended = 0  # co-executed iterations that matched their whole path
         self.values = self.variables = 0  # compared so far
 
+    def will_keep(self):
+        """Whether the next co-executed iteration to match its whole path is a k-th: its
+        graph must snapshot before writing (``terra.commit``)."""
+        return bool(config.verify) and (self.ended + 1) % config.verify == 0
+
     def keep(self, it):
         """A co-executed iteration ``it`` matched its whole path and its job is done: if it
         is a k-th, keep what its check needs (:class:`_Kept`), else None."""
@@ -142,8 +147,10 @@ class Verifier:
         if graph.snapshot_fn is not None:
             with interception.paused():  # Terra's read, not the user's op
                 after = graph.snapshot_fn()
+        before = job.snapshot if job.early is None or job.snapshot is None else \
+            [*job.early, *job.snapshot]  # graph.written: those before the gate first
         kept = _Kept(self.stats.iterations, it.log, it.customs, graph.written,
-                     graph.snapshot_fn, job.snapshot, after)
+                     graph.snapshot_fn, before, after)
         self.stats.verify_time += time.perf_counter() - began
         return kept
 
