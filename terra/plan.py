@@ -100,15 +100,15 @@ class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
     def __init__(self, start, steps, switch_cases, function, written, rewriters_off=(),
-                 loops=()):
+                 loops=(), fn_name=None):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
         self.loops = loops  # the loop nodes (terra.loops), each a While
         self.switch_cases = switch_cases  # [(SwitchCase, Case Select channel or None)]
         self.function = function
         self.written = written  # [(handle, dtype)] variables the graph writes
-        inference = function._inference_function
-        self.fn_name = inference.name.decode()
+        # what the runner calls: the traced function, or its copy with compiled segments
+        self.fn_name = fn_name or function._inference_function.name.decode()
         self.captures = list(function.captured_inputs)
         attrs = context.context().function_call_options.as_attrs()
         if rewriters_off:

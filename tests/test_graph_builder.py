@@ -99,13 +99,8 @@ def test_the_generated_function_runs_the_taken_case():
                                    rtol=1e-6)
 
 
-def test_with_xla_the_compute_ops_run_as_one_compiled_cluster():
-    """Neg, Abs and Exp run inside XLA; the queues stay TF ops. Grappler's arithmetic
-    optimizer would otherwise fuse them into an unmarked ``_UnaryOpsComposition`` first."""
-    g, graph = graph_of(trace(5, "Abs", value=0.0), trace(5, "Abs", value=1.0), xla=True)
-    _, feed, fetch = feed_and_fetch(g, graph)
-    x = np.full((4, 3), 0.5, np.float32)
-    feed.put(tf.constant(x))
+def executed_ops(graph):
+    """Run the generated function once; the nodes of its executed partition graphs."""
     ctx = context.context()
     ctx.enable_run_metadata()
     try:
@@ -113,12 +108,58 @@ def test_with_xla_the_compute_ops_run_as_one_compiled_cluster():
         metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_run_metadata()
+    return list(itertools.chain.from_iterable(
+        p.node for f in metadata.function_graphs for p in f.partition_graphs))
+
+
+def compiled_calls(graph):
+    """The calls of XLA-compiled functions in the function the runner calls, and the op
+    types of each called function."""
+    ctx = context.context()
+    calls = [n for n in ctx.get_function_def(graph.fn_name).node_def
+             if n.attr["_XlaMustCompile"].b]
+    bodies = [ctx.get_function_def(n.attr["f"].func.name) for n in calls]
+    assert all(body.attr["_XlaMustCompile"].b for body in bodies)
+    return calls, [sorted(n.op for n in body.node_def) for body in bodies]
+
+
+def test_with_xla_the_compute_ops_run_as_one_compiled_function():
+    """Neg, Abs and Exp run inside one XLA-compiled function; the queues stay TF ops.
+    Grappler's arithmetic optimizer would otherwise fuse them into an unmarked
+    ``_UnaryOpsComposition`` first."""
+    g, graph = graph_of(trace(5, "Abs", value=0.0), trace(5, "Abs", value=1.0), xla=True)
+    _, feed, fetch = feed_and_fetch(g, graph)
+    x = np.full((4, 3), 0.5, np.float32)
+    feed.put(tf.constant(x))
+    executed = executed_ops(graph)
     np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()),
                                np.exp(np.abs(-x)), rtol=1e-6)
-    executed = list(itertools.chain.from_iterable(
-        [n.op for n in p.node] for f in metadata.function_graphs for p in f.partition_graphs))
-    assert executed.count("_XlaRun") == 1, executed
-    assert not {"Neg", "Abs", "Exp", "_UnaryOpsComposition"} & set(executed), executed
+    assert [n.op for n in executed if n.attr["_XlaMustCompile"].b] == \
+        ["StatefulPartitionedCall"], executed
+    ops = {n.op for n in executed}
+    assert not {"Neg", "Abs", "Exp", "_UnaryOpsComposition", "_XlaRun"} & ops, ops
+    _, [body] = compiled_calls(graph)
+    assert {"Neg", "Abs", "Exp"} <= set(body), body
+
+
+def test_with_xla_independent_ops_of_a_segment_are_one_compiled_call():
+    """``Neg(x)`` and ``Square(Tanh(w))`` share no data edge but run before the same fetch
+    (of ``Square``): one compiled function, where TF's clustering made one cluster each.
+    ``Exp(Neg)``, after that fetch, is the next segment's: a second call."""
+
+    def independent(value):
+        recs = [op_at(at(1), "Neg", ext(np.full((4, 3), value))),
+                op_at(at(2), "Tanh", ext(np.full((2, 2), value))),
+                op_at(at(3), "Square", OpRef(1, 0)), op_at(at(4), "Exp", OpRef(0, 0))]
+        recs[2].fetched.add(0)
+        recs[3].fetched.add(0)
+        return recs
+
+    _, graph = graph_of(independent(0.0), independent(1.0), xla=True)
+    calls, bodies = compiled_calls(graph)
+    assert len(calls) == 2, bodies
+    assert {"Neg", "Tanh", "Square"} <= set(bodies[0]) and "Exp" not in bodies[0], bodies
+    assert "Exp" in bodies[1] and "Neg" not in bodies[1], bodies
 
 
 def loop_trace(trips, value):
