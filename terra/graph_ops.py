@@ -10,6 +10,7 @@ A switch-case's branch returns a :func:`placeholder` for a value it does not com
 """
 
 import functools
+import itertools
 
 from tensorflow.core.framework import attr_value_pb2, function_pb2
 from tensorflow.python.eager import context
@@ -88,11 +89,17 @@ def mark_for_xla(created, scope):
     """Mark the compute ops among ``created`` for XLA in cluster scope ``scope`` (section
     3.12): not queue ops (XLA has no kernels for them), not random ops (XLA draws other
     numbers than TF's kernels for the same seed), not ``call_function``'s calls (XLA would
-    not round as the function did)."""
+    not round as the function did), not ops with a tensor whose shape the graph does not
+    know (a boolean mask's rows, what follows it: XLA compiles once per shape, and recompiled
+    YOLOv3's loss at every step)."""
     for op in created:
         if not op.type.startswith("Queue") and not _draws_random(op) \
-                and op.type != "StatefulPartitionedCall":
+                and op.type != "StatefulPartitionedCall" and _static(op):
             _compile_with_xla(op, scope)
+
+
+def _static(op):
+    return all(t.shape.is_fully_defined() for t in itertools.chain(op.inputs, op.outputs))
 
 
 def _draws_random(op):

@@ -24,7 +24,9 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import kernels, op_def_registry
 
 _MARKS = ("_XlaCompile", "_XlaScope", "_XlaSeparateCompiledGradients")
-# A piece with nothing but these does no work XLA could speed up: it stays as TF ops
+# A piece with fewer than _MIN_OPS ops besides these has too little for XLA to fuse to pay
+# for its launch: it stays as TF ops
+_MIN_OPS = 8
 _TRIVIAL = frozenset({"Const", "Identity", "IdentityN", "NoOp", "ReadVariableOp", "EnsureShape",
                       "StopGradient", "Shape", "Snapshot"})
 
@@ -94,7 +96,7 @@ def _pieces(fdef):
         if not _free(nodes[name]):
             groups[key].append(name)
     return [group for group in groups.values()
-            if any(nodes[n].op not in _TRIVIAL for n in group)]
+            if sum(nodes[n].op not in _TRIVIAL for n in group) >= _MIN_OPS]
 
 
 def _outline(fdef, piece, fn_name, call):
