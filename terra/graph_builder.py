@@ -108,10 +108,10 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
     body.__name__ = name
     function = def_function.function(body, autograph=False).get_concrete_function()
     off = finish_plan(tracegraph, steps, symbolic, unseen, varying, xla, exact)
-    fn_name = compile_segments(function._inference_function.name.decode()) if xla else None
+    fn_name, segments = compile_segments(function) if xla else (None, ())
     graph = SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
                           list(emitter.written.values()), rewriters_off=off, loops=list(loops),
-                          fn_name=fn_name)
+                          fn_name=fn_name, xla_segments=segments)
     if config.check:
         graph.freeze()
     return graph
