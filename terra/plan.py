@@ -159,9 +159,7 @@ def _with_rewriters_off(serialized, names):
     tensor into one path's shape (a wrong value, found on FasterRCNN; right again with only
     this pass off).
 
-    ``arithmetic_optimization`` and ``remapping``, under XLA: they run before XLA's clustering
-    and replace marked ops by fused TF-only ops without the marks (``_UnaryOpsComposition``,
-    ``_FusedConv2D``), which cut the clusters; XLA fuses those ops itself."""
+    The rewrites that round otherwise (``graph_ops.EXACT_OFF``), for an exact graph."""
     config = config_pb2.ConfigProto()
     config.ParseFromString(serialized)
     for name in names:

@@ -34,7 +34,7 @@ _TRIVIAL = frozenset({"Const", "Identity", "IdentityN", "NoOp", "ReadVariableOp"
 
 def compile_segments(function):
     """Register a copy of ConcreteFunction ``function`` whose XLA segments are compiled
-    functions. Returns the copy's name (the function's own when nothing was compiled) and,
+    functions. Returns the copy's name (the function's own when no op is marked) and,
     for :func:`precompile`, the compiled functions of its body (not of its branches) with
     their arguments' specs."""
     name = function._inference_function.name.decode()
@@ -44,14 +44,15 @@ def compile_segments(function):
 
 
 def precompile(segments, attrs):
-    """Compile each of ``segments`` (``[(function name, [arg spec])]``) by calling it once
+    """Compile each of ``segments`` (``[(function name, [arg spec])]``, the specs from
+    :func:`_shapes`) by calling it once
     on zeros, and on fresh variables for its variables: XLA compiles a function at its first
     call, and its cache is keyed by the function and the arguments' shapes, so the generated
     graph's first call finds them compiled. Run where TF instantiates the graph, off the
     training loop's thread (``terra.background``): YOLOv3's segments take 20 s to compile,
     which the loop's eager iterations then hide instead of waiting for."""
     ctx = context.context()
-    for name, specs, n_out in segments:
+    for name, specs in segments:
         held = []  # the fresh variables, alive until the call is over
         args = []
         for dtype, shape, variable in specs:
@@ -61,7 +62,7 @@ def precompile(segments, attrs):
                 args.append(held[-1].handle)
             else:
                 args.append(array_ops.zeros(shape, dtype))
-        caller = _caller(name, [a.dtype.as_datatype_enum for a in args], n_out)
+        caller = _caller(name, [a.dtype.as_datatype_enum for a in args])
         try:
             execute.execute(caller, 0, args, attrs, ctx)
         except errors.OpError:
@@ -127,7 +128,7 @@ def _rewrite(name, shape_of=None, segments=None):
         specs = [shape_of(origin.get(ref, ref), fdef.signature, nodes) for ref in inputs] \
             if shape_of else [None]
         if None not in specs:
-            segments.append((f"{new_name}_{k}", specs, len(outputs)))
+            segments.append((f"{new_name}_{k}", specs))
     fdef.signature.name = new_name
     for attrs in [n.attr for n in fdef.node_def] + [a.attr for a in fdef.arg_attr.values()]:
         for mark in _MARKS:  # what is left outside is not auto-clustered
@@ -265,7 +266,7 @@ def _add_call(fdef, call, fn_name, inputs, in_types, out_types):
     node.attr["_XlaMustCompile"].b = True
 
 
-def _caller(fn_name, in_types, n_out):
+def _caller(fn_name, in_types):
     """A function that calls compiled function ``fn_name`` as the generated graph does: XLA's
     cache for calls from a graph is not the one for a function run eagerly."""
     callee = context.context().get_function_def(fn_name).signature
@@ -275,7 +276,7 @@ def _caller(fn_name, in_types, n_out):
         arg = fdef.signature.input_arg.add()
         arg.name, arg.type = f"a{i}", dtype
     _add_call(fdef, "call", fn_name, [f"a{i}" for i in range(len(in_types))], in_types,
-              [a.type for a in callee.output_arg][:n_out])
+              [a.type for a in callee.output_arg])
     fdef.control_ret["call"] = "call"
     fdef.signature.control_output.append("call")
     fdef.signature.is_stateful = True
