@@ -23,8 +23,6 @@ import time
 from tensorflow.python.eager import cancellation, context, execute
 from tensorflow.python.framework import errors
 
-from terra import xla
-
 
 def instantiate(graph):
     """Have TF instantiate ``graph``'s function (and its snapshot function) without running
@@ -38,7 +36,6 @@ def instantiate(graph):
         pass
     if graph.snapshot_fn is not None:
         graph.snapshot_fn()  # reads only: its result is dropped
-    xla.precompile(graph.xla_segments, graph.call_attrs)
 
 
 class Instantiation:

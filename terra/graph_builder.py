@@ -112,10 +112,10 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
     body.__name__ = name
     function = def_function.function(body, autograph=False).get_concrete_function()
     off = finish_plan(tracegraph, steps, symbolic, unseen, varying, exact)
-    fn_name, segments = compile_segments(function) if xla else (None, ())
+    fn_name = compile_segments(function) if xla else None
     graph = SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
                           list(emitter.written.values()), rewriters_off=off, loops=list(loops),
-                          fn_name=fn_name, xla_segments=segments)
+                          fn_name=fn_name)
     if config.check:
         graph.freeze()
     return graph

@@ -20,89 +20,26 @@ import collections
 import functools
 
 from tensorflow.core.framework import function_pb2
-from tensorflow.python.eager import context, execute
-from tensorflow.python.framework import dtypes, errors, kernels, op_def_registry, tensor_shape
-from tensorflow.python.ops import array_ops, resource_variable_ops
+from tensorflow.python.eager import context
+from tensorflow.python.framework import kernels, op_def_registry
 
 _MARKS = ("_XlaCompile", "_XlaScope", "_XlaSeparateCompiledGradients")
 # A piece with fewer than _MIN_OPS ops besides these has too little for XLA to fuse to pay
 # for its launch: it stays as TF ops
 _MIN_OPS = 8
-_TRIVIAL = frozenset({"Const", "Identity", "IdentityN", "NoOp", "ReadVariableOp", "StopGradient",
-                      "Shape", "Snapshot"})
+_TRIVIAL = frozenset({"Const", "Identity", "IdentityN", "NoOp", "ReadVariableOp", "EnsureShape",
+                      "StopGradient", "Shape", "Snapshot"})
 
 
 def compile_segments(function):
     """Register a copy of ConcreteFunction ``function`` whose XLA segments are compiled
-    functions. Returns the copy's name (the function's own when no op is marked) and,
-    for :func:`precompile`, the compiled functions of its body (not of its branches) with
-    their arguments' specs."""
+    functions; returns the copy's name (the function's own when no op is marked)."""
     name = function._inference_function.name.decode()
-    shape_of = _shapes(function)
-    segments = []
-    return _rewrite(name, shape_of, segments) or name, segments
+    return _rewrite(name) or name
 
 
-def precompile(segments, attrs):
-    """Compile each of ``segments`` (``[(function name, [arg spec])]``, the specs from
-    :func:`_shapes`) by calling it once
-    on zeros, and on fresh variables for its variables: XLA compiles a function at its first
-    call, and its cache is keyed by the function and the arguments' shapes, so the generated
-    graph's first call finds them compiled. Run where TF instantiates the graph, off the
-    training loop's thread (``terra.background``): YOLOv3's segments take 20 s to compile,
-    which the loop's eager iterations then hide instead of waiting for."""
-    ctx = context.context()
-    for name, specs in segments:
-        held = []  # the fresh variables, alive until the call is over
-        args = []
-        for dtype, shape, variable in specs:
-            if variable:
-                held.append(resource_variable_ops.ResourceVariable(
-                    array_ops.zeros(shape, dtype)))
-                args.append(held[-1].handle)
-            else:
-                args.append(array_ops.zeros(shape, dtype))
-        caller = _caller(name, [a.dtype.as_datatype_enum for a in args])
-        try:
-            execute.execute(caller, 0, args, attrs, ctx)
-        except errors.OpError:
-            pass  # zeros it cannot take (an index): compiled at the graph's first call
-
-
-def _shapes(function):
-    """``ref -> (dtype, shape, is a variable)`` for the tensors of ``function``'s body
-    (``node:arg:index`` or an argument), None where the shape is not fully known."""
-    graph = function.graph
-    captures = list(function.captured_inputs)
-
-    def spec(ref, signature, nodes):
-        if ":" not in ref:
-            names = [a.name for a in signature.input_arg]
-            t = captures[names.index(ref)] if len(names) == len(captures) else None
-            data = getattr(t, "_handle_data", None)
-            if t is None or t.dtype != dtypes.resource or not data or \
-                    not data.shape_and_type:
-                return None
-            part = data.shape_and_type[0]
-            shape = tensor_shape.TensorShape(part.shape)
-            return (part.dtype, shape.as_list(), True) if shape.is_fully_defined() else None
-        node, arg, index = ref.split(":")
-        flat = 0
-        for name, types in _output_types(nodes[node]).items():
-            if name == arg:
-                break
-            flat += len(types)
-        t = graph.get_operation_by_name(node).outputs[flat + int(index)]
-        if t.dtype == dtypes.resource or not t.shape.is_fully_defined():
-            return None
-        return t.dtype.as_datatype_enum, t.shape.as_list(), False
-
-    return spec
-
-
-def _rewrite(name, shape_of=None, segments=None):
-    """The name of the rewritten copy of ``name``, or None when it has no op marked for XLA;
-    with ``shape_of``, the compiled functions' arguments go to ``segments``."""
+def _rewrite(name):
+    """The name of the rewritten copy of ``name``, or None when it has no op marked for XLA."""
     ctx = context.context()
     fdef = function_pb2.FunctionDef()
     fdef.CopyFrom(ctx.get_function_def(name))
@@ -119,16 +56,8 @@ def _rewrite(name, shape_of=None, segments=None):
     if not changed and not any("_XlaScope" in n.attr for n in fdef.node_def):
         return None
     new_name = f"{name}_xla"
-    nodes = {n.name: n for n in fdef.node_def}  # as traced, for the specs
-    origin = {}  # a call's output -> the tensor it stands for
     for k, piece in enumerate(pieces):
-        call = f"xla_segment_{k}"
-        inputs, outputs = _outline(fdef, piece, f"{new_name}_{k}", call)
-        origin.update((f"{call}:output:{j}", ref) for ref, j in outputs.items())
-        specs = [shape_of(origin.get(ref, ref), fdef.signature, nodes) for ref in inputs] \
-            if shape_of else [None]
-        if None not in specs:
-            segments.append((f"{new_name}_{k}", specs))
+        _outline(fdef, piece, f"{new_name}_{k}", f"xla_segment_{k}")
     fdef.signature.name = new_name
     for attrs in [n.attr for n in fdef.node_def] + [a.attr for a in fdef.arg_attr.values()]:
         for mark in _MARKS:  # what is left outside is not auto-clustered
@@ -173,8 +102,7 @@ def _pieces(fdef):
 
 def _outline(fdef, piece, fn_name, call):
     """Move the nodes ``piece`` of ``fdef`` into a new compiled function ``fn_name``, called
-    where they were by node ``call``; returns the call's inputs (refs in ``fdef``) and its
-    outputs (``{ref of the piece: index}``). Constants read from outside are copied in (XLA needs
+    where they were by node ``call``. Constants read from outside are copied in (XLA needs
     some inputs, a ``Reshape``'s shape, as constants); control edges into or out of the piece
     become the call's."""
     members = set(piece)
@@ -250,7 +178,6 @@ def _outline(fdef, piece, fn_name, call):
     _add_call(fdef, call, fn_name, list(inputs) + sorted(controls),
               [a.type for a in body.signature.input_arg],
               [a.type for a in body.signature.output_arg])
-    return list(inputs), outputs
 
 
 def _add_call(fdef, call, fn_name, inputs, in_types, out_types):
@@ -264,24 +191,6 @@ def _add_call(fdef, call, fn_name, inputs, in_types, out_types):
     node.attr["config_proto"].s = b""
     node.attr["executor_type"].s = b""
     node.attr["_XlaMustCompile"].b = True
-
-
-def _caller(fn_name, in_types):
-    """A function that calls compiled function ``fn_name`` as the generated graph does: XLA's
-    cache for calls from a graph is not the one for a function run eagerly."""
-    callee = context.context().get_function_def(fn_name).signature
-    fdef = function_pb2.FunctionDef()
-    fdef.signature.name = f"{fn_name}_caller"
-    for i, dtype in enumerate(in_types):
-        arg = fdef.signature.input_arg.add()
-        arg.name, arg.type = f"a{i}", dtype
-    _add_call(fdef, "call", fn_name, [f"a{i}" for i in range(len(in_types))], in_types,
-              [a.type for a in callee.output_arg])
-    fdef.control_ret["call"] = "call"
-    fdef.signature.control_output.append("call")
-    fdef.signature.is_stateful = True
-    context.context().add_function_def(fdef)
-    return fdef.signature.name
 
 
 def _types(fdef):
@@ -320,11 +229,7 @@ def _output_types(node):
 
 
 def _compilable(node):
-    """Whether XLA has a CPU kernel for ``node`` that accepts its types. A fed value's
-    ``EnsureShape`` stays outside: the compiled function then takes an input of known shape,
-    which :func:`precompile` can make."""
-    if node.op == "EnsureShape":
-        return False
+    """Whether XLA has a CPU kernel for ``node`` that accepts its types."""
     for kernel in _xla_kernels(node.op):
         if all(_allowed(node, c) for c in kernel.constraint):
             return True
