@@ -10,7 +10,6 @@ A switch-case's branch returns a :func:`placeholder` for a value it does not com
 """
 
 import functools
-import itertools
 
 from tensorflow.core.framework import attr_value_pb2, function_pb2
 from tensorflow.python.eager import context
@@ -89,17 +88,11 @@ def mark_for_xla(created, scope):
     """Mark the compute ops among ``created`` for XLA in segment scope ``scope``, which
     ``terra.xla`` compiles as one function (section 3.12): not queue ops (XLA has no kernels
     for them), not random ops (XLA draws other numbers than TF's kernels for the same seed),
-    not ``call_function``'s calls (XLA would not round as the function did), not ops with a
-    tensor whose shape the graph does not know (a boolean mask's rows, what follows it: XLA
-    compiles once per shape, and recompiled YOLOv3's loss at every step)."""
+    not ``call_function``'s calls (XLA would not round as the function did)."""
     for op in created:
         if not op.type.startswith("Queue") and not _draws_random(op) \
-                and op.type != "StatefulPartitionedCall" and _static(op):
+                and op.type != "StatefulPartitionedCall":
             _compile_with_xla(op, scope)
-
-
-def _static(op):
-    return all(t.shape.is_fully_defined() for t in itertools.chain(op.inputs, op.outputs))
 
 
 def _draws_random(op):

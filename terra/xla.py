@@ -23,6 +23,8 @@ from tensorflow.core.framework import function_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.framework import kernels, op_def_registry
 
+from terra.nodes import SlotKind
+
 _MARKS = ("_XlaCompile", "_XlaScope", "_XlaSeparateCompiledGradients")
 # A piece with fewer than _MIN_OPS ops besides these has too little for XLA to fuse to pay
 # for its launch: it stays as TF ops
@@ -36,6 +38,30 @@ def compile_segments(function):
     functions; returns the copy's name (the function's own when no op is marked)."""
     name = function._inference_function.name.decode()
     return _rewrite(name) or name
+
+
+def fixed_shapes(node):
+    """Whether every trace saw ``node`` (a recorded op) with the same input and output
+    shapes. XLA compiles a function once per input shape: an op downstream of a boolean
+    mask's varying row count recompiled YOLOv3's loss at every step. TF's static shapes do
+    not tell: a gradient's ``BroadcastGradientArgs`` has no static shape although it only
+    depends on shapes that never change, and leaving it and what reads it out cut DCGAN's
+    backward pass into twenty pieces."""
+    def fixed(shape):
+        return shape is not None and None not in shape
+
+    if not all(fixed(shape) for shape in node.out_relaxed or ()):
+        return False
+    for slot in node.inputs:
+        if slot.kind is SlotKind.NODE:
+            if not all(fixed(p.out_relaxed[k]) for p, k in slot.alts):
+                return False
+        elif slot.kind is SlotKind.SAME:
+            if not all(fixed(p.inputs[k].shape) for p, k in slot.alts):
+                return False
+        elif slot.kind is SlotKind.FEED and not fixed(slot.shape):
+            return False
+    return True
 
 
 def _rewrite(name):
