@@ -13,7 +13,8 @@ branches), registers the rewrite under a new name, and returns that name; the fu
 signature and captures are unchanged. Ops stay outside the compiled functions when XLA has no
 kernel for them, and a segment splits where it would otherwise form a cycle through an op
 left outside (a random op reading one of its shapes, whose result it reads again): each part
-is a convex piece, called once.
+is a convex piece, called once. XLA compiles each function at its first call, which the
+first co-executed iteration waits for.
 """
 
 import collections
