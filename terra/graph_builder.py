@@ -37,8 +37,8 @@ ends at every fetch, so Python does not wait for a whole step to read one value 
 saw XLA delay Output Fetching on YOLOv3). Queues, ``tf.switch_case`` and Python-run values
 stay TF ops; so do random ops (XLA draws other numbers than TF's kernels for the same seed,
 and Terra must compute what eager computes) and ops whose shapes vary between iterations or
-are unknown (XLA compiles once per shape: recompiling made GPT2 and SDPoint 3-5x slower
-than without XLA).
+differed between traces (XLA compiles once per shape: recompiling made GPT2 and SDPoint 3-5x
+slower than without XLA). XLA compiles each function at the graph's first call.
 """
 
 import itertools
