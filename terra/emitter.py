@@ -41,6 +41,7 @@ from terra.keys import Out, Phi, Read, spec, value_key
 from terra.nodes import NodeKind, SlotKind, relax
 from terra.plan import shape_fn_decides
 from terra.queues import Channel
+from terra.xla import fixed_shapes
 
 # Outputs whose graph shape TF leaves unknown although it depends on nothing but the input
 # shapes (a kernel's scratch space): not data-dependent, so not fetched
@@ -182,8 +183,8 @@ class Emitter:
                 node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
         if self.exact:
             keep_eager_rounding([op])
-        if self.xla and not step.check_shapes and not self._looping:  # a new shape would
-            self._for_xla(graph, n_ops)  # recompile its cluster; a While is not clustered
+        if self.xla and not step.check_shapes and not self._looping and fixed_shapes(node):
+            self._for_xla(graph, n_ops)  # (a While's body is not compiled)
         if node.in_graph and node.op_type not in opdefs.READ_ONLY_VARIABLE_OPS:
             for slot in step.slots:
                 if slot.kind is SlotKind.VAR:
@@ -222,7 +223,8 @@ class Emitter:
             raise NotSymbolic(node) from e
         if self.exact:
             keep_eager_rounding(graph.get_operations()[n_ops:])
-        if self.xla and not any(self.steps[p].check_shapes for _, p, _ in node.cone.values()):
+        if self.xla and not any(self.steps[p].check_shapes or not fixed_shapes(p)
+                                for _, p, _ in node.cone.values()):
             self._for_xla(graph, n_ops)
         for result, g in zip(node.results, grads, strict=True):
             parts = (None,) if g is None else (

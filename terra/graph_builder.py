@@ -20,21 +20,25 @@ run by :func:`generate`:
 6. :func:`feeds_and_fetches`: the Input Feeding channels and the values Python needs;
 7. ``emit`` (``terra.emitter.Emitter``): the ConcreteFunction, and the fetch channels;
 8. :func:`finish_plan`: shape lookups downstream of fetched shapes, the backward feeds of
-   recorded regions, Grappler's passes to turn off.
+   recorded regions, Grappler's passes to turn off;
+9. with ``xla``, ``compile_segments`` (``terra.xla``): each segment's compute ops become one
+   XLA-compiled function the graph calls.
 
 A pass that finds the plan cannot be emitted as it stands (TF's symbolic gradient of a region
 does not stand for its tape's; a loop's While cannot be built) raises, and the driver runs the
 passes again with that region recorded or that loop unrolled.
 
-With ``xla``, the graph's compute ops carry the attributes ``tf.xla.experimental.jit_scope``
-sets, so TF's clustering pass compiles them with XLA (on CPU too: an explicit request) and
-leaves out what XLA cannot compile (queues, Python-run values, ``tf.switch_case`` itself).
-Random ops stay outside the clusters: XLA draws other numbers than TF's kernels for the same
-seed, and Terra must compute what eager computes. The scope changes at every fetch: a cluster
-never spans one, so Python does not wait for the whole cluster around a value it reads (the
-paper saw XLA delay Output Fetching on YOLOv3). Ops whose input shapes vary between iterations
-are not marked: XLA compiles a cluster per input shape, and recompiling at every new shape
-made GPT2 and SDPoint 3-5x slower than without XLA.
+With ``xla``, emission marks the compute ops of each segment between fetches, and
+``compile_segments`` moves each segment's marked ops into one function with
+``_XlaMustCompile`` (``tf.function(jit_compile=True)``'s attribute), which the graph calls:
+independent ops of a segment (every variable's optimizer update) compile together, where TF's
+auto-clustering made one cluster per connected group, each with a launch cost. A segment
+ends at every fetch, so Python does not wait for a whole step to read one value (the paper
+saw XLA delay Output Fetching on YOLOv3). Queues, ``tf.switch_case`` and Python-run values
+stay TF ops; so do random ops (XLA draws other numbers than TF's kernels for the same seed,
+and Terra must compute what eager computes) and ops whose shapes vary between iterations or
+differed between traces (XLA compiles once per shape: recompiling made GPT2 and SDPoint 3-5x
+slower than without XLA). XLA compiles each function at the graph's first call.
 """
 
 import itertools
@@ -57,6 +61,7 @@ from terra.plan import (
     switch_case_channels,
 )
 from terra.queues import Channel
+from terra.xla import compile_segments
 
 _names = itertools.count()
 
@@ -105,16 +110,18 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
 
     def body():
         emitter()
-        if emitter.first_write is not None and config.commit:
+        # XLA's pass moves the gated ops into compiled functions, away from the gate's edges
+        if emitter.first_write is not None and config.commit and not xla:
             gated[:] = commit.gate(ops.get_default_graph(), emitter.first_write,
                                    emitter.enqueued)
 
     body.__name__ = name
     function = def_function.function(body, autograph=False).get_concrete_function()
-    off = finish_plan(tracegraph, steps, symbolic, unseen, varying, xla, exact)
+    off = finish_plan(tracegraph, steps, symbolic, unseen, varying, exact)
+    fn_name = compile_segments(function) if xla else None
     graph = SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
                           list(emitter.written.values()), rewriters_off=off, loops=list(loops),
-                          commit=gated or commit.NO_GATE)
+                          commit=gated or commit.NO_GATE, fn_name=fn_name)
     if config.check:
         graph.freeze()
     return graph
@@ -190,7 +197,7 @@ def feeds_and_fetches(steps, symbolic):
     return wanted, phi_of, slots, _unseen_by_python(steps)
 
 
-def finish_plan(tracegraph, steps, symbolic, unseen, varying, xla, exact):
+def finish_plan(tracegraph, steps, symbolic, unseen, varying, exact):
     """After emission: the steps downstream of fetched data-dependent shapes look their
     shapes up, recorded regions get their backward feeds; returns Grappler's rewriters to
     turn off for the function's calls."""
@@ -202,8 +209,6 @@ def finish_plan(tracegraph, steps, symbolic, unseen, varying, xla, exact):
             shaped = any(p in steps and steps[p].check_shapes for _, p, _ in node.cone.values())
             step.backward_feeds = _backward_feeds(step, fetched_shapes, shaped)
     off = ["constant_folding"] if varying or fetched_shapes else []
-    if xla:
-        off += ["arithmetic_optimization", "remapping"]
     if exact:
         off = sorted(set(off) | EXACT_OFF)
     return off

@@ -85,10 +85,10 @@ def _noinline_copy(name):
 
 
 def mark_for_xla(created, scope):
-    """Mark the compute ops among ``created`` for XLA in cluster scope ``scope`` (section
-    3.12): not queue ops (XLA has no kernels for them), not random ops (XLA draws other
-    numbers than TF's kernels for the same seed), not ``call_function``'s calls (XLA would
-    not round as the function did)."""
+    """Mark the compute ops among ``created`` for XLA in segment scope ``scope``, which
+    ``terra.xla`` compiles as one function (section 3.12): not queue ops (XLA has no kernels
+    for them), not random ops (XLA draws other numbers than TF's kernels for the same seed),
+    not ``call_function``'s calls (XLA would not round as the function did)."""
     for op in created:
         if not op.type.startswith("Queue") and not _draws_random(op) \
                 and op.type != "StatefulPartitionedCall":
@@ -100,9 +100,9 @@ def _draws_random(op):
 
 
 def _compile_with_xla(op, scope):
-    """Mark ``op`` for XLA in cluster scope ``scope``: what ``jit_scope`` does to the ops
-    created under it (one scope per segment between fetches cannot be a ``with`` block here:
-    a segment starts and ends in the middle of emitting a node)."""
+    """Mark ``op`` for XLA in segment scope ``scope``: the attributes ``jit_scope`` gives the
+    ops created under it (one scope per segment between fetches cannot be a ``with`` block
+    here: a segment starts and ends in the middle of emitting a node)."""
     op._set_attr("_XlaCompile", attr_value_pb2.AttrValue(b=True))
     op._set_attr("_XlaScope", attr_value_pb2.AttrValue(s=scope))
     op._set_attr("_XlaSeparateCompiledGradients", attr_value_pb2.AttrValue(b=False))

@@ -100,7 +100,7 @@ class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
     def __init__(self, start, steps, switch_cases, function, written, rewriters_off=(),
-                 loops=(), commit=(None, None, frozenset(), frozenset())):
+                 loops=(), commit=(None, None, frozenset(), frozenset()), fn_name=None):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
         self.loops = loops  # the loop nodes (terra.loops), each a While
@@ -115,8 +115,8 @@ class SymbolicGraph:
             [w for w in written if w[0]._id not in early]
         self.written = written
         self.n_early = sum(w[0]._id in early for w in written)
-        inference = function._inference_function
-        self.fn_name = inference.name.decode()
+        # what the runner calls: the traced function, or its copy with compiled segments
+        self.fn_name = fn_name or function._inference_function.name.decode()
         self.captures = list(function.captured_inputs)
         attrs = context.context().function_call_options.as_attrs()
         if rewriters_off:
@@ -176,9 +176,7 @@ def _with_rewriters_off(serialized, names):
     tensor into one path's shape (a wrong value, found on FasterRCNN; right again with only
     this pass off).
 
-    ``arithmetic_optimization`` and ``remapping``, under XLA: they run before XLA's clustering
-    and replace marked ops by fused TF-only ops without the marks (``_UnaryOpsComposition``,
-    ``_FusedConv2D``), which cut the clusters; XLA fuses those ops itself."""
+    The rewrites that round otherwise (``graph_ops.EXACT_OFF``), for an exact graph."""
     config = config_pb2.ConfigProto()
     config.ParseFromString(serialized)
     for name in names:

@@ -674,3 +674,12 @@ def test_xla_mode_computes_eager_numbers_with_random_ops_outside_xla():
     outcome = assert_same_as_eager(stateful_random_program, STEPS, env={"TERRA_XLA": "1"},
                                    rtol=1e-4, atol=1e-6)
     assert outcome.stats.coexecuted > 0, outcome.report()
+
+
+def test_xla_mode_computes_eager_numbers_with_every_update_compiled():
+    """TERRA_XLA=1 on convolutions, batch norm's moving statistics and momentum: each
+    segment's ops, every variable's update among them, run as one compiled function
+    (``terra.xla``) and give eager's numbers up to XLA's rounding (the benchmark's rtol)."""
+    outcome = assert_same_as_eager(cnn_batchnorm_program, STEPS, env={"TERRA_XLA": "1"},
+                                   rtol=1e-3, atol=1e-6)
+    assert outcome.stats.coexecuted > 0, outcome.report()

@@ -99,13 +99,8 @@ def test_the_generated_function_runs_the_taken_case():
                                    rtol=1e-6)
 
 
-def test_with_xla_the_compute_ops_run_as_one_compiled_cluster():
-    """Neg, Abs and Exp run inside XLA; the queues stay TF ops. Grappler's arithmetic
-    optimizer would otherwise fuse them into an unmarked ``_UnaryOpsComposition`` first."""
-    g, graph = graph_of(trace(5, "Abs", value=0.0), trace(5, "Abs", value=1.0), xla=True)
-    _, feed, fetch = feed_and_fetch(g, graph)
-    x = np.full((4, 3), 0.5, np.float32)
-    feed.put(tf.constant(x))
+def executed_ops(graph):
+    """Run the generated function once; the nodes of its executed partition graphs."""
     ctx = context.context()
     ctx.enable_run_metadata()
     try:
@@ -113,12 +108,91 @@ def test_with_xla_the_compute_ops_run_as_one_compiled_cluster():
         metadata = ctx.export_run_metadata()
     finally:
         ctx.disable_run_metadata()
+    return list(itertools.chain.from_iterable(
+        p.node for f in metadata.function_graphs for p in f.partition_graphs))
+
+
+def compiled_calls(graph):
+    """The calls of XLA-compiled functions in the function the runner calls, and the op
+    types of each called function."""
+    ctx = context.context()
+    calls = [n for n in ctx.get_function_def(graph.fn_name).node_def
+             if n.attr["_XlaMustCompile"].b]
+    bodies = [ctx.get_function_def(n.attr["f"].func.name) for n in calls]
+    assert all(body.attr["_XlaMustCompile"].b for body in bodies)
+    return calls, [sorted(n.op for n in body.node_def) for body in bodies]
+
+
+UNARY = ("Abs", "Tanh", "Square", "Sin", "Cos", "Sigmoid", "Softplus", "Exp")
+
+
+def chain(value, shape=(4, 3), line=1, start=None):
+    """``Neg`` of a fed ``x`` (or of op ``start``), then the ops of ``UNARY`` in turn, one
+    line each from ``line``: enough ops for a segment to be compiled (``terra.xla``)."""
+    first = op_at(at(line), "Neg", ext(np.full(shape, value)) if start is None else start)
+    return [first] + [op_at(at(line + 1 + i), op_type, None) for i, op_type in enumerate(UNARY)]
+
+
+def linked(recs, offset=0):
+    """``recs`` from :func:`chain`, each op reading the one before it."""
+    for i, rec in enumerate(recs[1:], 1):
+        rec.inputs = [OpRef(offset + i - 1, 0)]
+    return recs
+
+
+def unary_chain(x):
+    y = -x
+    for op_type in UNARY:
+        y = getattr(tf.math, {"Square": "square", "Softplus": "softplus"}.get(
+            op_type, op_type.lower()))(y)
+    return y
+
+
+def test_with_xla_the_compute_ops_run_as_one_compiled_function():
+    """The chain runs inside one XLA-compiled function; the queues stay TF ops. Grappler's
+    arithmetic optimizer would otherwise fuse ops into an unmarked
+    ``_UnaryOpsComposition`` first."""
+
+    def traced(value):
+        recs = linked(chain(value))
+        recs[-1].fetched.add(0)
+        return recs
+
+    _, graph = graph_of(traced(0.0), traced(1.0), xla=True)
+    [feed] = [c for s in graph.steps.values() for c in s.feed if c is not None]
+    [fetch] = [c for s in graph.steps.values() for c in s.fetch if c is not None]
+    x = np.full((4, 3), 0.5, np.float32)
+    feed.put(tf.constant(x))
+    executed = executed_ops(graph)
     np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()),
-                               np.exp(np.abs(-x)), rtol=1e-6)
-    executed = list(itertools.chain.from_iterable(
-        [n.op for n in p.node] for f in metadata.function_graphs for p in f.partition_graphs))
-    assert executed.count("_XlaRun") == 1, executed
-    assert not {"Neg", "Abs", "Exp", "_UnaryOpsComposition"} & set(executed), executed
+                               unary_chain(x), rtol=1e-5)
+    assert [n.op for n in executed if n.attr["_XlaMustCompile"].b] == \
+        ["StatefulPartitionedCall"], executed
+    ops = {n.op for n in executed}
+    assert not {"Neg", *UNARY, "_UnaryOpsComposition", "_XlaRun"} & ops, ops
+    _, [body] = compiled_calls(graph)
+    assert {"Neg", *UNARY} <= set(body), body
+
+
+def test_with_xla_independent_ops_of_a_segment_are_one_compiled_call():
+    """Two chains that share no data edge but run before the same fetch (of the second
+    chain's end): one compiled function, where TF's clustering made one cluster each. A
+    third chain from the first one's end, after that fetch, is the next segment's: a
+    second call."""
+
+    def traced(value):
+        first = linked(chain(value))
+        second = linked(chain(value, shape=(2, 2), line=20), offset=len(first))
+        third = linked(chain(value, line=40, start=OpRef(len(first) - 1, 0)),
+                       offset=len(first) + len(second))
+        second[-1].fetched.add(0)
+        third[-1].fetched.add(0)
+        return first + second + third
+
+    _, graph = graph_of(traced(0.0), traced(1.0), xla=True)
+    calls, bodies = compiled_calls(graph)
+    assert len(calls) == 2, bodies
+    assert bodies[0].count("Neg") == 2 and bodies[1].count("Neg") == 1, bodies
 
 
 def loop_trace(trips, value):
