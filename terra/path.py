@@ -70,9 +70,10 @@ def loop_trips_differ(steps, cur, log, sid):
 def skippable(call):
     """The steps from a library call's ``call`` mark to its ``return`` mark, if Python may
     skip them all (``terra.library_regions``): one path (no branch point, no loop), graph ops
-    only (nothing run in Python, nothing fetched: Python never looks at a value, so it cannot
-    branch on one), every input one the graph has (nothing fed here); output shapes that vary
-    with the input shapes are the graph's business, Python takes no stand-in. None otherwise."""
+    only (nothing run in Python, nothing fetched but for shapes: Python never looks at a value,
+    so it cannot branch on one), every input one the graph has (nothing fed here); output
+    shapes that vary with the input or the data are the graph's business, Python takes no
+    stand-in. None otherwise."""
     if call.looped:
         return None
     steps, s = [], call
@@ -82,8 +83,8 @@ def skippable(call):
         s = s.next[0]
         if s.kind is NodeKind.MARK:
             return steps + [s] if s.op_type == "return" else None
-        if s.kind is not NodeKind.OP or s.python or s.dynamic or s.has_fetch or s.looped or \
-                any(not _settled(slot) for slot in s.slots):
+        if s.kind is not NodeKind.OP or s.python or s.looped or \
+                s.has_fetch and not _shape_only(s) or any(not _settled(slot) for slot in s.slots):
             return None
         steps.append(s)
 
@@ -123,6 +124,13 @@ def skippable_layer(call):
         if any(not _settled(slot) and (j, k) not in fed for k, slot in enumerate(step.slots)):
             return None
     return steps + [s]
+
+
+def _shape_only(step):
+    """Whether ``step`` is fetched only for the shapes of its outputs, which depend on data
+    (a sparse gradient's deduplication): Python needs them for the stand-ins of what reads
+    them, and no stand-in is made in a skipped region; its values were never read or kept."""
+    return step.dynamic and not step.node.fetched and not step.node.escaped
 
 
 def returned_by(slot, region):

@@ -172,3 +172,31 @@ def test_tf_keras_adam_update_is_skipped():
                                    env={"TF_USE_LEGACY_KERAS": "1"})
     assert outcome.keras.startswith("tf_keras"), outcome.keras
     assert _skipped(outcome) == outcome.stats.coexecuted > 0, outcome.report()
+
+
+def _sparse_loop(tape_cls, steps):
+    """An embedding's gradient is an IndexedSlices: Adam deduplicates its indices
+    (``tf.unique``, whose output shape depends on the data) before the sparse update; the
+    sequences are 5 or 7 tokens long, so the graph cannot know that shape."""
+    tf.keras.utils.set_random_seed(0)
+    ids = [tf.random.uniform((8, 5 + 2 * (step % 2)), 0, 30, tf.int32, seed=step)
+           for step in range(steps)]
+    labels = tf.random.uniform((steps, 8), 0, 3, tf.int32, seed=99)
+    embed, head = tf.keras.layers.Embedding(30, 6), tf.keras.layers.Dense(3)
+    head(embed(ids[0])[:, 0])
+    variables = embed.trainable_variables + head.trainable_variables
+    optimizer = tf.keras.optimizers.Adam(1e-2)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    losses = []
+    for step in range(steps):
+        with tape_cls() as tape:
+            loss = loss_fn(labels[step], head(tf.reduce_mean(embed(ids[step]), axis=1)))
+        grads = tape.gradient(loss, variables)
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, "variables": variables, "optimizer": list(optimizer.variables)}
+
+
+def test_an_update_of_a_sparse_gradient_is_skipped():
+    outcome = assert_same_as_eager(_sparse_loop, 10)
+    assert _skipped(outcome) >= outcome.stats.coexecuted >= 4, outcome.report()
