@@ -60,6 +60,11 @@ LIBRARY_UPDATES = (
 )
 
 
+class FloorUnavailable(RuntimeError):
+    """A step that left the recorded op path failed: the program's ops change from step to
+    step (an architecture drawn at random), and no recorded step answers another."""
+
+
 class Floor:
     """``step`` as a step function: eager for the first ``record_at - 1`` calls, recorded at
     call ``record_at`` (the last warm-up step), answered from that record at every later call.
@@ -106,6 +111,13 @@ class Floor:
             setattr(cls, method, wrapper)
         try:
             out = self.step(*batch)
+        except Exception as error:
+            if not self._diverged:
+                raise
+            raise FloorUnavailable(
+                f"no floor: step {self.calls} left the recorded op path and failed on the "
+                f"recorded values ({type(error).__name__}); its ops differ from step to step"
+            ) from error
         finally:
             pywrap_tfe.TFE_Py_FastPathExecute = _ORIGINAL_FAST
             execute.execute = self._slow

@@ -14,7 +14,7 @@ import tensorflow as tf
 from tensorflow.python.framework import op_callbacks
 
 from benchmarks import harness, report
-from benchmarks.floor import Floor, FloorTape
+from benchmarks.floor import Floor, FloorTape, FloorUnavailable
 from benchmarks.programs import load, run
 from benchmarks.programs.base import keras
 from benchmarks.worker import run_one
@@ -165,3 +165,20 @@ def test_report_shows_the_floor():
     runs[2]["floor_stats"] = dict(floor_stats, diverged_steps=4, real_ops=80)
     rows = harness.summarize(runs, ["mlp"], modes, 1e-4, 1e-6, 1e-3)
     assert "n/a (floor; 4 of 10 steps diverged, 80 ops run for real)" in report.text_table(rows)
+
+
+def test_a_diverged_step_that_fails_says_there_is_no_floor():
+    """Recorded on a 2-vector, then called on a 3-vector with another op path: eagerly the
+    step is fine, but its first op is answered with the recorded 2-vector, which the real op
+    after the divergence cannot reshape; the error says why there is no floor."""
+    def step(x, column):
+        h = x * 2.0
+        if column:
+            h = tf.reshape(h, (3, 1))
+        return tf.reduce_sum(h)
+
+    assert float(step(tf.constant([1.0, 2.0, 3.0]), True)) == 12.0  # fine eagerly
+    floor = Floor(step, record_at=1)
+    floor(tf.constant([3.0, 4.0]), False)
+    with pytest.raises(FloorUnavailable, match="left the recorded op path"):
+        floor(tf.constant([1.0, 2.0, 3.0]), True)
