@@ -26,7 +26,8 @@ a compiler guards a specialization:
   builds the layer), or attributes changed from outside between two calls, turn its regions
   off for the rest of the run, with an ``explain()`` note;
 - what it returned is tensors the region's ops produced, or its own arguments, in lists,
-  tuples and dicts: no Keras mask on them, no loss added on the way.
+  tuples and dicts, with no Python attribute on them (a Keras mask; a softmax's
+  ``_keras_logits``, from which a loss computes on the logits), no loss added on the way.
 
 Calls nested inside a region are part of it; a layer that is no region (the user's own
 subclass) runs as usual and its built-in sublayers are regions of their own.
@@ -294,7 +295,7 @@ def _encode(outputs, arguments):
     """(the tensors among ``outputs`` that are not the call's own ``arguments``, the
     structure of ``outputs`` as a hashable template: ``("t",)`` for the next such tensor,
     ``("arg", i)`` for argument ``i``, ``("v", x)`` for a number), or a None template if
-    the outputs are something else (a Keras mask on a tensor, another object). Plain
+    the outputs are something else (a tensor carrying Python attributes, another object). Plain
     recursion, no closure: a recursive closure is a reference cycle, which would keep the
     tensors alive past the iteration until the garbage collector ran (an escape)."""
     by_id = {t._id: i for i, t in enumerate(arguments)}
@@ -310,8 +311,8 @@ def _encode(outputs, arguments):
 def _encoded(x, by_id, returned):
     kind = type(x)
     if kind is _EagerTensor:
-        if getattr(x, "_keras_mask", None) is not None:
-            raise _NotARegion
+        if x.__dict__:  # Python attributes on the tensor (Keras' _keras_mask, a softmax's
+            raise _NotARegion  # _keras_logits, which a loss reads): a stand-in has none
         if x._id in by_id:
             return ("arg", by_id[x._id])
         returned.append(x)

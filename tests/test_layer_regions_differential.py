@@ -186,3 +186,29 @@ def test_twin_layers_called_in_another_order_are_told_apart():
                                    min_coexecuted=3)
     # the head's call is skipped; the twins' ops merged into one path with a branch in it
     assert outcome.stats.skipped_layer_calls >= outcome.stats.coexecuted, outcome.report()
+
+
+def _softmax_loop(tape_cls, steps):
+    """A classifier whose last layer is a softmax: Keras keeps the logits on the output
+    tensor (``_keras_logits``) and its cross-entropy computes from them; a stand-in without
+    them would send the loss down the clipped-probabilities path (other ops, other numbers)."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 8, 6, 3)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3, activation="softmax")])
+    optimizer = keras.optimizers.Adam(1e-2)
+    loss_fn = keras.losses.CategoricalCrossentropy()
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 8)
+        with tape_cls() as tape:
+            loss = loss_fn(tf.one_hot(y, 3), model(tf.constant(x), training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(float(loss))
+    return {"losses": losses, **state(model, optimizer)}
+
+
+def test_an_output_carrying_python_attributes_is_not_stood_in_for():
+    outcome = assert_same_as_eager(_softmax_loop, 10, min_coexecuted=4)
+    assert outcome.stats.skipped_layer_calls == 0, outcome.report()
