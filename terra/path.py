@@ -74,19 +74,9 @@ def skippable(call):
     so it cannot branch on one), every input one the graph has (nothing fed here); output
     shapes that vary with the input or the data are the graph's business, Python takes no
     stand-in. None otherwise."""
-    if call.looped:
-        return None
-    steps, s = [], call
-    while True:
-        if len(s.next) != 1 or s.next[0] is None:
-            return None
-        s = s.next[0]
-        if s.kind is NodeKind.MARK:
-            return steps + [s] if s.op_type == "return" else None
-        if s.kind is not NodeKind.OP or s.python or s.looped or \
-                s.has_fetch and not _shape_only(s) or any(not _settled(slot) for slot in s.slots):
-            return None
-        steps.append(s)
+    found = None if call.looped else _to_return(call, lambda s: (
+        s.has_fetch and not _shape_only(s) or any(not _settled(slot) for slot in s.slots)))
+    return None if found is None else found[0] + [found[1]]
 
 
 def skippable_layer(call):
@@ -100,18 +90,10 @@ def skippable_layer(call):
     template, feeds = call.attrs[-2:]
     if call.looped or template is None or len(call.node.sigs) != 1:
         return None
-    steps, s = [], call
-    while True:
-        if len(s.next) != 1 or s.next[0] is None:
-            return None
-        s = s.next[0]
-        if s.kind is NodeKind.MARK:
-            break
-        if s.kind is not NodeKind.OP or s.python or s.dynamic or s.looped or s.check_shapes:
-            return None
-        steps.append(s)
-    if s.op_type != "return":
+    found = _to_return(call, lambda s: s.dynamic or s.check_shapes)
+    if found is None:
         return None
+    steps, s = found
     region = {step.node for step in steps}
     returned = {returned_by(slot, region) for slot in s.slots}
     if None in returned:
@@ -124,6 +106,22 @@ def skippable_layer(call):
         if any(not _settled(slot) and (j, k) not in fed for k, slot in enumerate(step.slots)):
             return None
     return steps + [s]
+
+
+def _to_return(call, refused):
+    """``(ops, return mark)``: the single path of graph ops from the ``call`` mark to its
+    ``return`` mark, none run in Python, in a loop or ``refused(step)``; None if there is no
+    such path."""
+    steps, s = [], call
+    while True:
+        if len(s.next) != 1 or s.next[0] is None:
+            return None
+        s = s.next[0]
+        if s.kind is NodeKind.MARK:
+            return (steps, s) if s.op_type == "return" else None
+        if s.kind is not NodeKind.OP or s.python or s.looped or refused(s):
+            return None
+        steps.append(s)
 
 
 def _shape_only(step):
