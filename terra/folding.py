@@ -11,8 +11,17 @@ TF's ``constant_value`` knows ``Shape`` of a fully defined shape and a few ops o
 but not ``StridedSlice``, the op that ``shape[i]`` is. :func:`static_value` adds: an op of a
 small set of integer-only, deterministic ops (indexing, packing, arithmetic on shapes) whose
 inputs are all static is run eagerly on those values, with the graph op's own attributes.
+
+Where shapes vary between iterations (a sequence length per batch) such a value is not
+static, but Python still holds everything it depends on: a stand-in has the shape of the
+graph tensor it stands for, so ``tf.shape`` of it is the graph's shape. Such a step is
+*local* (``Step.local``, :func:`local_op`): the PythonRunner runs the op itself, eagerly on
+its own inputs (the values of the local steps before it), and the graph computes its own
+copy for the ops that read it; nobody waits. GPT-2's ``tf.range(tf.shape(tokens)[1])`` made
+Python wait for the graph to finish the previous iteration at the start of every step.
 """
 
+import numpy as np
 from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import constant_op, dtypes, tensor_util
 
@@ -30,6 +39,24 @@ _FOLDABLE = frozenset({
 })
 _INTEGRAL = frozenset({dtypes.int32, dtypes.int64, dtypes.bool})
 MAX_ELEMENTS = 64  # larger values are not worth holding in Python
+MAX_LOCAL = 1024  # larger values Python reads are the graph's to compute (a fetch)
+# Ops that read only their inputs' shapes, which Python's stand-ins have right.
+SHAPE_OF = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+# Ops whose shape functions give their output shapes from their input shapes and the values
+# of some integer inputs (a shape, a size, paddings: their indices): where Python has those
+# values, it infers the shapes of the stand-ins, as for shapes no trace had
+# (``terra.standins``).
+VALUE_SHAPED = {
+    "Reshape": (1,), "Fill": (0,), "BroadcastTo": (1,), "Tile": (1,), "Slice": (1, 2),
+    "StridedSlice": (1, 2, 3), "Pad": (1,), "PadV2": (1,), "MirrorPad": (1,),
+    "ExpandDims": (1,), "Range": (0, 1, 2), "OneHot": (1,),
+    **dict.fromkeys((
+        "RandomUniform", "RandomStandardNormal", "TruncatedNormal", "RandomUniformInt",
+        "StatelessRandomUniform", "StatelessRandomNormal", "StatelessTruncatedNormal",
+        "StatelessRandomUniformInt", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
+        "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+        "StatelessRandomUniformFullIntV2"), (0,)),
+}
 
 
 def static_value(t, memo):
@@ -56,19 +83,46 @@ def _foldable(op):
             for x in (*op.inputs, *op.outputs))
 
 
-def _run(t, inputs):
-    """Output ``t.value_index`` of ``t.op`` run eagerly on ``inputs``, or None if TF
-    refuses."""
-    op = t.op
+def local_op(op):
+    """Whether graph op ``op`` is one Python may run itself on its inputs' values (a shape
+    read, or shape arithmetic on integers): then its attrs as eager execution takes them,
+    else None. Whether its inputs are Python's to have is the emitter's to say."""
+    if op.type not in _FOLDABLE and op.type not in SHAPE_OF or op.control_inputs or \
+            any(x.dtype not in _INTEGRAL for x in op.outputs):
+        return None
+    if op.type in SHAPE_OF:
+        if any(x.dtype in (dtypes.resource, dtypes.variant) for x in op.inputs):
+            return None
+    elif any(x.dtype not in _INTEGRAL for x in op.inputs):
+        return None
+    return eager_attrs(op)
+
+
+def small_outputs(node):
+    """Whether every output ``node`` had in the traces is shape-sized (``MAX_LOCAL``
+    elements at most): what Python computes itself costs it an eager op."""
+    return all(np.prod(shape, dtype=np.int64) <= MAX_LOCAL
+               for specs in (node.out_specs, *node.sigs.values()) for shape, _ in specs)
+
+
+def eager_attrs(op):
+    """The attributes of graph op ``op`` as ``execute.execute`` takes them."""
     attrs = []
     for name in op.node_def.attr:
         if not name.startswith("_"):  # TF's own marks (XLA scopes, colocation)
             attrs += [name, op.get_attr(name)]
+    return tuple(attrs)
+
+
+def _run(t, inputs):
+    """Output ``t.value_index`` of ``t.op`` run eagerly on ``inputs``, or None if TF
+    refuses."""
+    op = t.op
     try:
         with interception.paused(), context.eager_mode():
             outs = execute.execute(op.type, len(op.outputs), [
                 constant_op.constant(v, x.dtype) for v, x in zip(inputs, op.inputs, strict=True)],
-                tuple(attrs), context.context())
+                eager_attrs(op), context.context())
     except Exception:  # noqa: BLE001 - an attr TF will not take eagerly: the value is fetched
         return None
     return outs[t.value_index].numpy()

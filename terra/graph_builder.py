@@ -165,7 +165,9 @@ def feeds_and_fetches(steps, symbolic):
     besides those it reads (read by a Python-run op; a gradient result whose shape varies),
     the phi slots each value updates, those slots by id, and the backward ops Python never
     sees."""
-    wanted = set()  # (node, out) read by a Python-run op, or needed for its shape
+    # (node, out) -> "value" (read by a Python-run op), "shape" (its shape is needed) or
+    # "fixed" (its shape is known, whatever its producer's shapes)
+    wanted = {}
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     phi_of = {}  # emission key (Out or Read) -> the phi slots it updates
     slots = {}  # id -> slot, for phi keys
@@ -175,12 +177,11 @@ def feeds_and_fetches(steps, symbolic):
                 slots[id(slot)] = slot
                 for p, k in slot.alts:
                     phi_of.setdefault(producer_key(slot.kind, p, k), []).append(id(slot))
-        if step.kind is NodeKind.GRAD:  # a result whose shape varies is fetched for its shape
-            wanted.update(part for r in step.results for part in (r or ())[1:]
-                          if part is not None and len(part[0].sigs) > 1)
+        if step.kind is NodeKind.GRAD:
+            _result_shapes(step, wanted)
         for _, (p, k) in _alts_of(step):
             if step.python and p.in_graph:
-                wanted.add((p, k))
+                wanted[(p, k)] = "value"
             elif not step.python and step.kind == NodeKind.OP and not p.in_graph:
                 graph_consumed.add((p, k))
     with ops.init_scope():
@@ -195,6 +196,33 @@ def feeds_and_fetches(steps, symbolic):
                 if step.python and (node, k) in graph_consumed:
                     step.out_feed[k] = Channel(dtype, node.out_relaxed[k])
     return wanted, phi_of, slots, _unseen_by_python(steps)
+
+
+def _result_shapes(step, wanted):
+    """What Python needs of the results of gradient call ``step`` to stand in for them: a
+    result whose shape varies is fetched for its shape; but a dense gradient of a variable
+    has the variable's shape, however its backward op's shape varies or depends on data (a
+    ``Reshape`` back to the kernel's shape): such a result is never fetched for its shape."""
+    n_target = step.attrs[1]
+    for i, r in enumerate(step.results):
+        if r is None:
+            continue
+        source = step.slots[n_target + i]
+        if r[0] == "t" and r[1] is not None and source.kind is SlotKind.VAR and \
+                r[1][0].out_specs[r[1][1]][0] == _variable_shape(source.tensor):
+            wanted.setdefault(r[1], "fixed")
+            continue
+        for part in r[1:]:
+            if part is not None and len(part[0].sigs) > 1:
+                wanted.setdefault(part, "shape")
+
+
+def _variable_shape(handle):
+    """The shape of the variable behind eager ``handle`` (its handle data), or None."""
+    data = getattr(handle, "_handle_data", None)
+    if data is None or not data.shape_and_type or data.shape_and_type[0].shape.unknown_rank:
+        return None
+    return tuple(d.size for d in data.shape_and_type[0].shape.dim)
 
 
 def finish_plan(tracegraph, steps, symbolic, unseen, varying, exact):

@@ -32,8 +32,8 @@ class Step:
     (:meth:`SymbolicGraph.freeze`)."""
 
     __slots__ = ("node", "kind", "op_type", "attrs", "slots", "feed", "out_specs",
-                 "check_shapes", "value_shaped", "fetch", "has_fetch", "static", "dynamic",
-                 "python", "out_feed", "body", "results", "next", "puts",
+                 "check_shapes", "value_shaped", "fetch", "has_fetch", "static", "local",
+                 "dynamic", "known_shape", "python", "out_feed", "body", "results", "next", "puts",
                  "owner", "cone_phis", "backward_feeds", "looped", "any_path")
 
     def __init__(self, node: TraceNode | None):
@@ -68,7 +68,13 @@ class Step:
         n_out = len(node.out_specs)
         self.fetch = [None] * n_out  # out -> Channel (graph enqueues, Python dequeues)
         self.static = [None] * n_out  # out -> value known when the graph was built (a tensor)
+        # the attrs Python runs the op with itself, on its own inputs, where it reads values
+        # that only depend on shapes it holds (terra.folding): no fetch
+        self.local = None
         self.dynamic = False  # output shapes depend on data: fetch instead of a stand-in
+        # out -> whether its shape is the recorded one whatever the op's input shapes (a
+        # variable's gradient): stood in for, never fetched for its shape
+        self.known_shape = [False] * n_out
         self.python = node.kind == NodeKind.OP and not node.in_graph
         self.out_feed = [None] * n_out  # python op outputs the graph consumes
         self.results = node.results

@@ -301,11 +301,12 @@ class PythonRunner(RegionSkips):
 
     def _result(self, node, out):
         """The stand-in of output ``out`` of ``node``, a backward op Python skipped; fetched
-        where its shape can vary."""
+        where its shape can vary (unless known: ``graph_builder._result_shapes``)."""
         step = self.step_of[node]
         outs, entries = self.standins.make(self.it, step, (node.out_specs[out],),
                                            self.visits.get(step, 0), self.seq, out)
-        if len(node.sigs) > 1 or step.dynamic:
+        if step.fetch[out] is not None and not step.known_shape[out] and \
+                (step.dynamic or len(node.sigs) > 1):
             return self._fetched(entries[0])
         return outs[0]
 
@@ -318,6 +319,13 @@ class PythonRunner(RegionSkips):
     def _run(self, step, flat):
         it, standins = self.it, self.standins
         inputs = self.checks.inputs(it, step, flat)
+        if step.local is not None:  # Python's own: its values, no stand-ins, no fetch
+            outs = standins.local(it, step, flat, self.visits.get(step, 0), self.seq)
+            if step.dynamic and it.signature is not None:
+                it.signature.append(tuple(o._shape_tuple() for o in outs))
+            it.log.append(LoggedOp(step, inputs, [self.tensors[o._id] for o in outs], False))
+            self._logged_move(step, outs)
+            return outs
         specs = standins.specs(step, flat) if step.check_shapes else step.out_specs
         outs, entries = standins.make(it, step, specs, self.visits.get(step, 0), self.seq)
         if step.dynamic:  # data-dependent shapes: the real outputs, whatever their shapes (the

@@ -12,12 +12,13 @@ import mmap
 
 import numpy as np
 from tensorflow.python.dlpack.dlpack import from_dlpack
-from tensorflow.python.eager import context
+from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
 from tensorflow.python.ops import gen_optional_ops
 
 from terra import interception, opdefs
-from terra.divergence import Divergence, IterationAborted
+from terra.divergence import Divergence, IterationAborted, RaisedInPython
+from terra.folding import SHAPE_OF
 from terra.nodes import SMALL_CONST, SlotKind
 from terra.plan import where
 
@@ -110,6 +111,33 @@ class StandIns:
             entries.append(e)
         return outs, entries
 
+    def local(self, it, step, flat, visit, seq):
+        """The outputs of a local step (``Step.local``, ``terra.folding``): its op run by
+        Python on the values of its inputs, registered as the step's outputs. A shape read
+        runs on a stand-in as it is (its shape is the graph's)."""
+        tensors, shape_of = self.tensors, step.op_type in SHAPE_OF
+        args = []
+        for a, slot in zip(flat, step.slots, strict=True):
+            if type(a) is _EagerTensor:
+                e = tensors.get(a._id)
+                if e is not None and not shape_of:
+                    a = self.runner.value_of(e)  # a local step's, known
+            else:
+                a = ops.convert_to_tensor(a, None if slot.dtype is None else
+                                          dtypes.as_dtype(slot.dtype))
+            args.append(a)
+        try:
+            values = execute.quick_execute(step.op_type, len(step.out_specs), args,
+                                           step.local, context.context())
+        except errors.OpError as error:  # TF's error, eager's too: raised once
+            raise RaisedInPython(error) from None
+        escaping = it.entries
+        for k, v in enumerate(values):
+            e = Entry(self.runner, it, step, k, v, visit, seq)
+            tensors[v._id] = e
+            escaping.append((e, v))
+        return values
+
     def _dummy(self, spec):
         shape, dtype = spec
         dt = dtypes.as_dtype(dtype)
@@ -140,24 +168,33 @@ class StandIns:
         if specs is None and step.dynamic:
             specs = step.out_specs
         elif specs is None:
-            specs, always = inferred_specs(step, flat, key, self.tensors)
-            if always:
-                self.inferred[(step, key)] = specs
+            specs, values = inferred_specs(step, flat, key, self.tensors, self.inferred)
+            self.inferred[(step, key) if values is None else (step, key, values)] = specs
         return specs
 
 
-def inferred_specs(step, flat, key, tensors):
+def inferred_specs(step, flat, key, tensors, memo):
     """Output specs for input shapes no trace had, from the op's shape function (TF's
-    graph-mode shape inference), and whether they hold for every call with these input
-    shapes. The op is built in a scratch graph on placeholders of those shapes, with the
-    values of small inputs Python computed (a ``Reshape``'s target shape): where such a
-    value is fed, it can differ next time, so the specs are not kept. Where the shape
-    function leaves a dimension unknown, a Divergence: only a trace can tell."""
+    graph-mode shape inference), and the values they were inferred from where they can
+    differ next time (None if they hold for every call with these input shapes). The op is
+    built in a scratch graph on placeholders of those shapes, with the values of small
+    inputs Python has (a ``Reshape``'s target shape it computed, or a local step's): where
+    such a value is fed or computed, the specs are kept for it, in ``memo`` (specs by
+    ``(step, key, values)``). Where the shape function leaves a dimension unknown, a
+    Divergence: only a trace can tell."""
     flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(
         a, None if slot.dtype is None else dtypes.as_dtype(slot.dtype))
         for a, slot in zip(flat, step.slots, strict=True)]
-    known = [tensors.get(a._id) is None and a._num_elements() <= SMALL_CONST and
-             a.dtype != dtypes.resource for a in flat]
+    entries = [tensors.get(a._id) for a in flat]
+    flat = [a if e is None or e.value is None else e.value  # a local step's value
+            for a, e in zip(flat, entries, strict=True)]
+    known = [(e is None or e.value is not None) and a._num_elements() <= SMALL_CONST and
+             a.dtype != dtypes.resource for a, e in zip(flat, entries, strict=True)]
+    always = all(slot.kind is SlotKind.CONST for slot, k in zip(step.slots, known) if k)
+    values = None if always else tuple(a._numpy_internal().tobytes() if k else None
+                                       for a, k in zip(flat, known))
+    if values is not None and (step, key, values) in memo:
+        return memo[(step, key, values)], values
     try:
         outputs = opdefs.scratch_output_shapes(step.op_type, step.attrs, [
             ("value", a._numpy_internal(), a.dtype, None) if k else
@@ -172,7 +209,7 @@ def inferred_specs(step, flat, key, tensors):
                          "its shape function gives no output shape", "shape change")
     specs = tuple((tuple(shape.as_list()), dtype)
                   for shape, (_, dtype) in zip(outputs, step.out_specs, strict=True))
-    return specs, all(slot.kind is SlotKind.CONST for slot, k in zip(step.slots, known) if k)
+    return specs, values
 
 
 def leaves(results, tensors):

@@ -72,3 +72,53 @@ def test_a_shape_read_in_co_execution_waits_for_no_graph_and_keeps_eagers_number
     read_at = f"{inspect.getsourcefile(_noise_shape_loop)}:{first + offset} "
     waits = [row for row in outcome.explain.splitlines() if " waits, " in row]
     assert waits and not [row for row in waits if read_at in row], outcome.report()
+
+
+SIZES = (16, 12, 8, 12, 16, 8, 4, 16, 12, 4, 8, 16)  # a batch size per step: shapes vary
+
+
+def _varying_loop(tape_cls, steps):
+    """The batch size changes every step (sizes no trace had among them), and Python reads
+    values that depend on it: the batch size as an int, a ``tf.range`` over it, a noise
+    shape for a stateless random mask; the gradient of every variable goes to Adam."""
+    data, model, optimizer, loss_fn = mlp_task(steps)
+    losses, reads = [], []
+    offset = 0
+    for step in range(steps):
+        n = SIZES[step % len(SIZES)]
+        x, y = (a[offset:offset + n] for a in data)
+        offset += n
+        with tape_cls() as tape:
+            h = model.layers[0](x)
+            rows = tf.range(tf.shape(h)[0])  # read: range
+            keep = tf.random.stateless_uniform(tf.shape(h), seed=(step, 7)) > 0.2
+            h = h * tf.cast(keep, h.dtype)
+            h = tf.gather(h, tf.reverse(rows, [0]))
+            loss = loss_fn(tf.reverse(y, [0]), model.layers[1](h))
+        reads.append(int(tf.shape(h)[0]) + int(tf.size(rows)))  # read: size
+        grads = tape.gradient(loss, model.trainable_variables)  # read: gradient
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(loss)
+    return {"losses": losses, "reads": reads, "variables": model.trainable_variables,
+            "optimizer": optimizer.variables}
+
+
+def _waits_at(outcome, program, marks):
+    """The explain() rows of host syncs at the lines of ``program`` ending with ``marks``."""
+    source, first = inspect.getsourcelines(program)
+    lines = [f"{inspect.getsourcefile(program)}:{first + i} "
+             for i, s in enumerate(source) if s.rstrip().endswith(marks)]
+    assert len(lines) == len(marks)
+    return [row for row in outcome.explain.splitlines() if " waits, " in row and
+            any(line in row for line in lines)]
+
+
+def test_values_that_follow_varying_shapes_are_computed_by_python_and_keep_eagers_numbers():
+    """Python computes the shape reads itself (local steps), infers the random mask's shape
+    from the noise shape it computed, and stands in for each variable's gradient with the
+    variable's shape: no wait at those lines, in any iteration co-executed."""
+    outcome = assert_same_as_eager(_varying_loop, steps=24, min_coexecuted=12)
+    assert outcome.stats.fallbacks == 0, outcome.report()
+    waits = _waits_at(outcome, _varying_loop, ("# read: range", "# read: size",
+                                               "# read: gradient"))
+    assert not waits, outcome.report()

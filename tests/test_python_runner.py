@@ -305,19 +305,20 @@ def test_materializing_a_value_the_graph_does_not_return_replays_the_prefix(stra
 def test_a_graph_error_is_raised_at_the_paths_end_with_the_stand_in(threads):
     """An integer division by zero fails the graph: the runner learns of it when it waits at
     the path's end, after the op is in the log (the replay runs it, so Python gets its
-    stand-in rather than running it again)."""
+    stand-in rather than running it again). The values are larger than the shape-sized ones
+    Python computes itself (``folding.MAX_LOCAL``)."""
     def division(divisor):
-        x = ExtRef(tf.constant(np.full((4, 3), 7, np.int32)))
-        d = ExtRef(tf.constant(np.full((4, 3), divisor, np.int32)))
-        div = OpRecord(NodeKind.OP, "FloorDiv", (), [x, d], (((4, 3), INT32),), HERE, True)
+        x = ExtRef(tf.constant(np.full((40, 30), 7, np.int32)))
+        d = ExtRef(tf.constant(np.full((40, 30), divisor, np.int32)))
+        div = OpRecord(NodeKind.OP, "FloorDiv", (), [x, d], (((40, 30), INT32),), HERE, True)
         div.fetched.add(0)  # read by Python: the graph computes it
         return [div]
 
     h = Harness(threads, division(2), division(3))
     it = h.begin()
-    seven = tf.constant(np.full((4, 3), 7, np.int32))
+    seven = tf.constant(np.full((40, 30), 7, np.int32))
     with pytest.raises(GraphFailed) as raised:
-        h.fast("FloorDiv", seven, tf.constant(np.zeros((4, 3), np.int32)))
+        h.fast("FloorDiv", seven, tf.constant(np.zeros((40, 30), np.int32)))
     failed = raised.value
     assert failed.at_end and failed.ran and failed.job is it.job
     assert isinstance(failed.job.error, tf.errors.InvalidArgumentError)
