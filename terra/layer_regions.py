@@ -17,9 +17,12 @@ a compiler guards a specialization:
   user wrote, not ``Lambda`` or a preprocessing layer, whose Python is the user's or reads
   data), with no activity regularizer and no function of the user's among its attributes
   (an activation given as a Python function);
-- its tensor arguments are the same producers as in the traces and have the traced shapes;
-  its other arguments (``training=True``) are equal; so is what Keras' call context passes
-  down (the ``training`` of an outer call) and the autocast scope;
+- its tensor arguments are the same producers as in the traces, with the shapes of a
+  traced call or of a call of it that co-execution ran op by op (its ops validated with
+  those shapes, it returned tensors of shapes Python then knows: a sequence length that
+  changes per batch costs one call per length run op by op); its other arguments
+  (``training=True``) are equal; so is what Keras' call context passes down (the
+  ``training`` of an outer call) and the autocast scope;
 - the Python attributes of the layer and of each layer inside it (numbers and strings by
   value, anything else by identity: ``Dropout.rate``, a sublayer replaced) are what they
   were when it was traced; a call that changes them itself (other than its first, which
@@ -52,6 +55,7 @@ from terra import runtime
 from terra.library_regions import attributes, changed_names, flatten_call
 from terra.location import in_user_loop, user_location
 from terra.nodes import ExtRef
+from terra.skips import Learn
 
 _EagerTensor = ops.EagerTensor
 _KERAS = "keras.src."
@@ -154,12 +158,16 @@ class LayerRegions:
             if type(skipped) is tuple:  # skipped, or run by the replay of a fallback
                 self.skipped += 1
                 return _decode(*skipped, tensors)
+            learn = skipped if type(skipped) is Learn else None
+        else:
+            learn = None
         record = None
         if rt.phase == "tracing":  # after a fallback, the replay's values for stand-ins
             real = [rt.tracing_door.real(t) for t in tensors]
             record = rt.recorder.mark("call", attrs, real)
             begin, customs = len(rt.recorder.records), rt.recorder.custom_gradients
         outputs = original(layer, *args, **kwargs)
+        found = None
         try:
             self._after(layer, state, before)
             returned, found = _encode(outputs, tensors)
@@ -173,7 +181,8 @@ class LayerRegions:
             state.off, returned = f"Terra error {type(err).__name__}", []
             if record is not None:
                 record.attrs = attrs + (None, ())
-        self._return(rt, returned)
+        if self._return(rt, returned) and learn is not None and rt.phase == "coexecution":
+            rt.runner.learn(learn, found, returned)
         return outputs
 
     def _guard(self, layer, state, args, kwargs):
@@ -212,9 +221,10 @@ class LayerRegions:
         attrs = ("return",)
         if rt.phase == "coexecution" and rt.runner.it is not None and \
                 rt.marks.coexec(lambda: rt.runner.mark("return", attrs, returned, None)):
-            return
+            return True
         if rt.phase == "tracing":
             rt.recorder.mark("return", attrs, [rt.tracing_door.real(t) for t in returned])
+        return False
 
     def _off(self, layer, state, why):
         state.off = why

@@ -83,14 +83,16 @@ def skippable_layer(call):
     """The steps from a layer call's ``call`` mark to its ``return`` mark, if Python may skip
     them all and take stand-ins for what the call returned (``terra.layer_regions``): as for
     :func:`skippable`, but the region's ops may read the call's tensor arguments, which Python
-    feeds (``feeds``: (op index, input, argument) from the call mark's attrs), and the graph
-    may fetch what the call returned (Python reads it after the call) but nothing else; every
-    output shape fixed (one input shape signature of the call, none of its ops' outputs
-    varying), so the stand-ins' shapes are the recorded ones. None otherwise."""
+    feeds (``feeds``: (op index, input, argument) from the call mark's attrs), and other
+    values Python feeds (the sizes Keras computes from static shapes: fed as a call with the
+    same input shapes fed them, ``skips.Skip.learned``), and the graph
+    may fetch what the call returned (Python reads it after the call) but nothing else; no
+    output shape depends on data (the stand-ins' shapes are the recorded ones, or those a
+    call with the same input shapes returned: ``skips.Skip.fixed``). None otherwise."""
     template, feeds = call.attrs[-2:]
-    if call.looped or template is None or len(call.node.sigs) != 1:
+    if call.looped or template is None:
         return None
-    found = _to_return(call, lambda s: s.dynamic or s.check_shapes)
+    found = _to_return(call, lambda s: s.dynamic)
     if found is None:
         return None
     steps, s = found
@@ -98,12 +100,11 @@ def skippable_layer(call):
     returned = {returned_by(slot, region) for slot in s.slots}
     if None in returned:
         return None
-    fed = {(j, k) for j, k, _ in feeds}
-    for j, step in enumerate(steps):
+    for step in steps:
         if any(channel is not None and (step.node, k) not in returned
                for k, channel in enumerate(step.fetch)):
             return None
-        if any(not _settled(slot) and (j, k) not in fed for k, slot in enumerate(step.slots)):
+        if any(slot.kind is SlotKind.RESOURCE for slot in step.slots):
             return None
     return steps + [s]
 

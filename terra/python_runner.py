@@ -111,6 +111,9 @@ class PythonRunner(RegionSkips):
         self.visits = {}
         self._packs = {}
         self._skips = {}  # a region's call mark -> its skips.Skip, or None (not skippable)
+        # (a layer call's mark, its input shapes) -> the specs of what it returned, learned
+        # where the call ran op by op with those shapes (skips.RegionSkips.learn)
+        self._learned = {}
         self._took = None  # (step, seq) of the last Case Selects fed: the edge out of step
         self.checks = Validation(self.step_of, tensors, self.seqs, self.value_of)
         self.standins = StandIns(self, tensors)

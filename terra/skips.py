@@ -8,21 +8,27 @@ have issued them. A region's :class:`Skip` is worked out once per plan: where no
 steps selects a case, fetches or ends the path, passing it is one sweep over its steps.
 """
 
+import numpy as np
+from tensorflow.python.framework import ops
+
 from terra import path
 from terra.divergence import Divergence, GraphFailed, OffPath
 from terra.fallback import LoggedMark, LoggedSkip
 from terra.nodes import NodeKind, SlotKind
 
+_EagerTensor = ops.EagerTensor
+
 
 class Skip:
     """How Python passes one skippable region: its ``steps`` (to the ``return`` mark),
     whether one ``sweep`` does, its ops' joined inputs (whose producers a gradient call's
-    cone asks for), and which steps' outputs the call returned (a layer's: step ->
-    [(output, position)])."""
+    cone asks for), which steps' outputs the call returned (a layer's: step ->
+    [(output, position)]), and whether their shapes are ``fixed`` (the recorded ones, for
+    the one input shape signature the traces had; else they are learned per signature)."""
 
-    __slots__ = ("steps", "sweep", "joins", "returned", "n_returned")
+    __slots__ = ("steps", "sweep", "joins", "returned", "n_returned", "feeds", "fixed")
 
-    def __init__(self, call, steps, step_of):
+    def __init__(self, call, steps, step_of, args=frozenset()):
         self.steps = steps
         end = steps[-1]
         self.joins = [slot for s in steps for slot in s.slots
@@ -33,6 +39,12 @@ class Skip:
             node, out = path.returned_by(slot, region)
             self.returned.setdefault(step_of[node], []).append((out, position))
         self.n_returned = len(end.slots)
+        # the inputs of its ops Python feeds other than the call's arguments (``args``):
+        # values a layer's Python computed, learned per input shapes
+        self.feeds = [(j, k) for j, s in enumerate(steps[:-1]) for k, slot in enumerate(s.slots)
+                      if slot.kind is SlotKind.FEED and (j, k) not in args]
+        self.fixed = len(call.node.sigs) == 1 and not self.feeds and \
+            not any(s.check_shapes for s in steps)
         self.sweep = call.puts is None and end.next != [None] and \
             all(s.puts is None and not s.has_fetch for s in steps)
 
@@ -82,19 +94,26 @@ class RegionSkips:
             raise Divergence("layer call with different arguments or layer settings",
                              "attribute change")
         inputs = self.checks.inputs(it, step, list(tensors), feed=False)
-        skip = self._skip_of(step, path.skippable_layer)
-        if skip is None or tuple(t._shape_tuple() for t in tensors) not in step.node.sigs:
+        skip = self._skip_of(step, path.skippable_layer, {(j, k) for j, k, _ in step.attrs[-1]})
+        learned = None
+        if skip is not None:
+            key = tuple(t._shape_tuple() for t in tensors)
+            learned = ((key in step.node.sigs or None) and _RECORDED) if skip.fixed else \
+                self._learned.get((step, key))
+        if learned is None or not learned.confirmed:
             it.log.append(LoggedMark(step, inputs, None))
             self._logged_move(step, None)
-            return False
+            return False if skip is None or skip.fixed else Learn(it, step, key, skip)
         fed = {(j, k): self.checks.argument(it, skip.steps[j], k, tensors[a])
                for j, k, a in step.attrs[-1]}
+        for (j, k), value in learned.feeds.items():
+            fed[(j, k)] = self.checks.argument(it, skip.steps[j], k, value)
         flat = [None] * skip.n_returned
         result = step.attrs[-2], flat
         logged = LoggedSkip(step, inputs, skip.steps, stopped, fed)
         it.log.append(logged)
         try:
-            self._pass(step, skip, flat)
+            self._pass(step, skip, flat, learned.specs)
         except GraphFailed as failed:
             failed.ran, failed.result = True, result  # the replay ran the region
             raise
@@ -102,22 +121,48 @@ class RegionSkips:
             logged.outputs = [self.tensors[x._id] for x in flat if x is not None]
         return result
 
-    def _skip_of(self, call, skippable):
-        """The region's :class:`Skip` after ``call`` (None if Python may not skip it)."""
+    def learn(self, learn, template, returned):
+        """A layer call ``learn`` (``layer_call``'s) ran op by op with input shapes no skip
+        had specs for, and its ``return`` mark matched. If it walked its region and returned
+        what the traces' calls did (``template``), note the shapes of what it ``returned``
+        and the values Python fed its ops (sizes Keras computed from static shapes). A
+        built-in layer's Python issues the same ops on the same values for the same input
+        shapes and attributes (the per-op path validated each op with these shapes,
+        constants included); once a second such call has returned and fed the same, later
+        calls with these input shapes are skipped: fed those values, given stand-ins of
+        those shapes."""
+        skip, it = learn.skip, self.it
+        n = len(skip.steps)  # its ops and the return mark: the log's last entries
+        if it is not learn.it or self.cur is not skip.steps[-1] or \
+                template != learn.call.attrs[-2] or len(returned) != skip.n_returned or \
+                len(it.log) < n or any(logged.step is not s for logged, s in
+                                       zip(it.log[-n:], skip.steps, strict=True)):
+            return
+        seen = Learned(tuple((t._shape_tuple(), t._datatype_enum()) for t in returned),
+                       {(j, k): it.log[j - n].inputs[k] for j, k in skip.feeds})
+        known = self._learned.get((learn.call, learn.key))
+        seen.confirmed = known is not None and known.same(seen)
+        self._learned[(learn.call, learn.key)] = seen
+
+    def _skip_of(self, call, skippable, args=frozenset()):
+        """The region's :class:`Skip` after ``call`` (None if Python may not skip it);
+        ``args``: the (op, input) pairs reading the call's arguments."""
         skip = self._skips.get(call, False)
         if skip is False:
             steps = skippable(call)
-            skip = self._skips[call] = None if steps is None else Skip(call, steps, self.step_of)
+            skip = self._skips[call] = None if steps is None else \
+                Skip(call, steps, self.step_of, args)
         return skip
 
-    def _pass(self, call, skip, flat):
+    def _pass(self, call, skip, flat, specs=None):
         """Move past the matched ``call`` mark and the region ``skip`` after it, filling
-        ``flat`` with stand-ins for what it returned."""
+        ``flat`` with stand-ins for what it returned (of ``specs``, by position, where the
+        shapes are learned ones)."""
         self._move(call)
         if skip.sweep:  # what _move does, for steps that fetch, select and end nothing
             for s, outs in skip.returned.items():
                 for out, position in outs:
-                    flat[position] = self._result(s.node, out)
+                    flat[position] = self._returned(s, out, position, specs)
             seqs, seq = self.seqs, self.seq
             for s in skip.steps:
                 seqs[s] = seq
@@ -128,8 +173,47 @@ class RegionSkips:
                 if self.cur.puts is not None:
                     self._take(self.cur, 0)
                 for out, position in skip.returned.get(s, ()):
-                    flat[position] = self._result(s.node, out)
+                    flat[position] = self._returned(s, out, position, specs)
                 self._move(s)
         took, last_of = self.it.took, self.checks.last_of
         for slot in skip.joins:  # the one that ran last, as the graph selects it
             took[slot] = last_of(slot.alts)
+
+    def _returned(self, step, out, position, specs):
+        """The stand-in for output ``out`` of ``step``, returned by a skipped call at
+        ``position``: of the learned spec, else as for a skipped backward op."""
+        if specs is None:
+            return self._result(step.node, out)
+        outs, _ = self.standins.make(self.it, step, (specs[position],),
+                                     self.visits.get(step, 0), self.seq, out)
+        return outs[0]
+
+
+class Learn:
+    """A layer call not skipped for want of specs for its input shapes (``key``): what
+    ``RegionSkips.learn`` learns them from when its ``return`` mark has matched."""
+
+    __slots__ = ("it", "call", "key", "skip")
+
+    def __init__(self, it, call, key, skip):
+        self.it, self.call, self.key, self.skip = it, call, key, skip
+
+
+class Learned:
+    """What calls of a layer with one set of input shapes returned (``specs``) and fed
+    their ops (``feeds``: (op, input) -> value), and whether two calls agreed."""
+
+    __slots__ = ("specs", "feeds", "confirmed")
+
+    def __init__(self, specs, feeds):
+        self.specs, self.feeds, self.confirmed = specs, feeds, False
+
+    def same(self, other):
+        return self.specs == other.specs and self.feeds.keys() == other.feeds.keys() and all(
+            type(a) is type(b) is _EagerTensor and a.dtype == b.dtype and
+            np.array_equal(a._numpy_internal(), b._numpy_internal())
+            for a, b in ((a, other.feeds[k]) for k, a in self.feeds.items()))
+
+
+_RECORDED = Learned(None, {})  # a fixed region's: the recorded shapes, nothing to feed
+_RECORDED.confirmed = True
