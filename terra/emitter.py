@@ -388,8 +388,10 @@ class Emitter:
             return
         if (not t.shape.is_fully_defined() or node.data_dependent) and \
                 self._shaped_by_python(step):
-            step.check_shapes = step.value_shaped = True  # inferred as Python calls it
+            step.check_shapes = True  # inferred as Python calls it (by the values it has)
             for slot in (step.slots[i] for i in VALUE_SHAPED[step.op_type]):
+                if slot.kind is not SlotKind.CONST:
+                    step.value_shaped = True
                 if slot.kind is SlotKind.NODE:
                     self._make_local(self.steps[slot.alts[0][0]])
             return

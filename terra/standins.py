@@ -163,7 +163,7 @@ class StandIns:
         recorded ones: Python gets the real outputs, never the stand-ins."""
         key = tuple(a._shape_tuple() if type(a) is _EagerTensor else np.shape(a) for a in flat)
         specs = None if step.value_shaped else step.node.sigs.get(key)
-        if specs is None and not step.value_shaped:
+        if specs is None:  # inferred for these shapes (whatever the values, if constant)
             specs = self.inferred.get((step, key))
         if specs is None and step.dynamic:
             specs = step.out_specs
