@@ -20,7 +20,7 @@ from tensorflow.python.eager.core import _NotOkStatusException
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
 from tensorflow.python.util import nest
 
-from terra import commit, escapes, functions, opdefs, path
+from terra import commit, escapes, functions, lanes, opdefs, path
 from terra.divergence import (
     Divergence,
     GraphFailed,
@@ -40,7 +40,7 @@ from terra.fallback import (
 )
 from terra.fast_path import fast_inputs, flatten, pack_fast, pack_plan
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
-from terra.nodes import NodeKind
+from terra.nodes import NodeKind, SlotKind
 from terra.plan import Step, where
 from terra.skips import RegionSkips
 from terra.standins import Entry, StandIns, leaves, to_indexed_slices
@@ -111,6 +111,11 @@ class PythonRunner(RegionSkips):
         self.visits = {}
         self._packs = {}
         self._skips = {}  # a region's call mark -> its skips.Skip, or None (not skippable)
+        # a step -> the lanes.Lane into its one successor, or False (the general path only)
+        self._lanes = {}
+        # the inputs external values are read again from (a "same" slot's alternatives)
+        self.reread = {alt for step in graph.steps.values() for slot in step.slots
+                       if slot.kind is SlotKind.SAME for alt in slot.alts}
         self._took = None  # (step, seq) of the last Case Selects fed: the edge out of step
         self.checks = Validation(self.step_of, tensors, self.seqs, self.value_of)
         self.standins = StandIns(self, tensors)
@@ -182,6 +187,12 @@ class PythonRunner(RegionSkips):
 
     # -- the two doors ------------------------------------------------------------------
     def fast(self, ctx, op_type, name, args):
+        cur = self.cur
+        lane = self._lanes.get(cur)
+        if lane and lane.op_type == op_type:
+            result = lanes.follow(self, lane, args)
+            if result is not lanes.MISS:
+                return result
         info = opdefs.info(op_type)
         n = info.n_inputs
         if n is None:
@@ -214,6 +225,8 @@ class PythonRunner(RegionSkips):
             if failed.ran:
                 failed.result = pack_fast(plan, failed.result)
             raise
+        if lane is None:  # the next time an op comes this way, it may take a lane
+            self._lanes[cur] = lanes.build(self, cur, step, info, attrs, plan)
         if plan == "one":
             return outs[0]
         return pack_fast(plan, outs)

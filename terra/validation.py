@@ -25,9 +25,10 @@ _SCALARS = (int, float, bool)
 
 class Validation:
     """The checks of one runner, and what they learn: per const slot (by id) the tensor last
-    validated as its value and the Python scalars known to convert to it, and per step the
-    raw attr tuples validated (fast and slow path). These are the runner's own tables: the
-    TraceGraph and the plan are only read in co-execution."""
+    validated as its value and the Python scalars and numpy arrays (by :func:`array_key`)
+    known to convert to it, and per step the raw attr tuples validated (fast and slow path).
+    These are the runner's own tables: the TraceGraph and the plan are only read in
+    co-execution."""
 
     def __init__(self, step_of, tensors, seqs, value_of):
         self.step_of = step_of  # the plan's steps by TraceNode
@@ -38,6 +39,7 @@ class Validation:
         self.value_of = value_of  # the real value behind an entry of an earlier iteration
         self.const_ids = {}
         self.scalars = {}
+        self.arrays = {}  # per const slot (by id): the numpy arrays known to convert to it
         self.fast_attrs = {}
         self.slow_attrs = {}
 
@@ -159,10 +161,15 @@ class Validation:
             scalar = type(a) in _SCALARS
             accepted = self.scalars.get(id(slot), ())
             if not (scalar and (type(a), a) in accepted):  # 1, 1.0, True differ
+                key = array_key(a) if type(a) is np.ndarray else None
+                if key is not None and key in self.arrays.get(id(slot), ()):
+                    return a
                 if not _converts_to(a, slot.value):
                     raise _bad(step, i, "constant value changed", "value change")
                 if scalar:
                     self.scalars.setdefault(id(slot), set()).add((type(a), a))
+                elif key is not None:
+                    self.arrays.setdefault(id(slot), set()).add(key)
             return a
         if kind is SlotKind.FEED:
             t = constant_op.constant(a, dtype=dtypes.as_dtype(slot.dtype))
@@ -299,6 +306,14 @@ def _converts_to(a, value):
     if value.dtype.kind in "iub" and not np.array_equal(converted, np.asarray(a)):
         return False
     return converted.shape == value.shape and np.array_equal(converted, value)
+
+
+def array_key(a):
+    """What decides a numpy array's conversion to a constant: its dtype, shape and bytes
+    (None for arrays of objects or strings, whose bytes say nothing of their values)."""
+    if a.dtype.kind not in "biufc":
+        return None
+    return a.dtype.str, a.shape, a.tobytes()
 
 
 def shape_ok(shape, want):
