@@ -23,11 +23,10 @@ from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
 from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
-from terra.validation import array_key
+from terra.validation import value_key
 
 _EagerTensor = ops.EagerTensor
 _tape_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
-_SCALARS = (int, float, bool)
 
 MISS = object()  # "take the general path": the lane did nothing
 
@@ -103,7 +102,7 @@ def follow(runner, lane, args):
     for a, check in zip(flat, checks):
         code = check[0]
         if type(a) is not _EagerTensor:
-            if code != _CONST or not _known_python_value(memo, check[1], a):
+            if code != _CONST or value_key(a) not in memo.known.get(id(check[1]), ()):
                 return MISS
         elif code == _NODE:
             e = tensors.get(a._id)
@@ -179,15 +178,3 @@ def _shaped_dummies(runner, step, flat):
     dummies = runner.standins.dummies
     found = [dummies.get(spec) for spec in specs]
     return None if None in found else found
-
-
-def _known_python_value(checks, slot, a):
-    """Whether the Python value ``a`` is one validated before as the constant of ``slot``
-    (``Validation``'s memos of scalars and arrays)."""
-    kind = type(a)
-    if kind in _SCALARS:
-        return (kind, a) in checks.scalars.get(id(slot), ())
-    if kind is np.ndarray:
-        key = array_key(a)
-        return key is not None and key in checks.arrays.get(id(slot), ())
-    return False

@@ -25,8 +25,8 @@ _SCALARS = (int, float, bool)
 
 class Validation:
     """The checks of one runner, and what they learn: per const slot (by id) the tensor last
-    validated as its value and the Python scalars and numpy arrays (by :func:`array_key`)
-    known to convert to it, and per step the raw attr tuples validated (fast and slow path).
+    validated as its value and the Python values (by :func:`value_key`) known to convert to
+    it, and per step the raw attr tuples validated (fast and slow path).
     These are the runner's own tables: the TraceGraph and the plan are only read in
     co-execution."""
 
@@ -38,8 +38,7 @@ class Validation:
         self.seqs = seqs
         self.value_of = value_of  # the real value behind an entry of an earlier iteration
         self.const_ids = {}
-        self.scalars = {}
-        self.arrays = {}  # per const slot (by id): the numpy arrays known to convert to it
+        self.known = {}  # per const slot (by id): the value_key of Python values accepted
         self.fast_attrs = {}
         self.slow_attrs = {}
 
@@ -158,18 +157,12 @@ class Validation:
         it, or for a fed one the tensor fed."""
         kind = slot.kind
         if kind is SlotKind.CONST:
-            scalar = type(a) in _SCALARS
-            accepted = self.scalars.get(id(slot), ())
-            if not (scalar and (type(a), a) in accepted):  # 1, 1.0, True differ
-                key = array_key(a) if type(a) is np.ndarray else None
-                if key is not None and key in self.arrays.get(id(slot), ()):
-                    return a
+            key = value_key(a)
+            if key is None or key not in self.known.get(id(slot), ()):
                 if not _converts_to(a, slot.value):
                     raise _bad(step, i, "constant value changed", "value change")
-                if scalar:
-                    self.scalars.setdefault(id(slot), set()).add((type(a), a))
-                elif key is not None:
-                    self.arrays.setdefault(id(slot), set()).add(key)
+                if key is not None:
+                    self.known.setdefault(id(slot), set()).add(key)
             return a
         if kind is SlotKind.FEED:
             t = constant_op.constant(a, dtype=dtypes.as_dtype(slot.dtype))
@@ -308,12 +301,21 @@ def _converts_to(a, value):
     return converted.shape == value.shape and np.array_equal(converted, value)
 
 
-def array_key(a):
-    """What decides a numpy array's conversion to a constant: its dtype, shape and bytes
-    (None for arrays of objects or strings, whose bytes say nothing of their values)."""
-    if a.dtype.kind not in "biufc":
+def value_key(a):
+    """What decides the conversion of the Python value ``a`` to a constant, as a set's key:
+    a scalar's type and value (1, 1.0 and True differ), each element's of a flat list or
+    tuple of scalars, a numpy array's dtype, shape and bytes; None for anything else (then
+    it is converted every time)."""
+    kind = type(a)
+    if kind in _SCALARS:
+        return kind, a
+    if kind is tuple or kind is list:
+        if all(type(x) in _SCALARS for x in a):
+            return kind, tuple((type(x), x) for x in a)
         return None
-    return a.dtype.str, a.shape, a.tobytes()
+    if kind is np.ndarray and a.dtype.kind in "biufc":  # not objects or strings
+        return a.dtype.str, a.shape, a.tobytes()
+    return None
 
 
 def shape_ok(shape, want):

@@ -1,8 +1,8 @@
 """Lanes (``terra/lanes.py``): the precompiled way through an op matched before must take the
 ops it recognizes, and hand every op it does not to the general path, which then decides as
 it always did: each program changes, after some co-executed iterations along lanes, one
-thing a lane checks (a Python scalar, a numpy array, a constant tensor's value, an input's
-producer) and must give eager's numbers."""
+thing a lane checks (a Python scalar, a numpy array, a list of scalars, a constant tensor's
+value, an input's producer) and must give eager's numbers."""
 
 import numpy as np
 import pytest
@@ -43,10 +43,12 @@ def chain_program(change):
             scalar = 2.0 if late and change == "scalar" else 1.0
             perm = np.array([0, 1] if late and change == "array" else [1, 0])
             cut = 2 if late and change == "const" else 1
+            axis = [1] if late and change == "list" else [0]
             with tape_cls() as tape:
                 y = tf.add(x, scalar) * w
                 y = tf.concat([y[cut:], y[:cut]], 0)
                 y = tf.transpose(y, perm)
+                y = tf.reverse(y, axis)
                 z = tf.multiply(y, held if late and change == "producer" else y)
                 loss = tf.reduce_sum(z)
             grad = tape.gradient(loss, w)
@@ -58,7 +60,7 @@ def chain_program(change):
     return program
 
 
-@pytest.mark.parametrize("change", ["none", "scalar", "array", "const", "producer"])
+@pytest.mark.parametrize("change", ["none", "scalar", "array", "list", "const", "producer"])
 def test_a_changed_input_leaves_the_lane_for_the_general_path(change, followed):
     changed = change != "none"  # a fallback, then traces of the new path
     assert_same_as_eager(chain_program(change), STEPS, expect_fallbacks=(changed, None),
