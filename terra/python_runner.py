@@ -187,8 +187,7 @@ class PythonRunner(RegionSkips):
 
     # -- the two doors ------------------------------------------------------------------
     def fast(self, ctx, op_type, name, args):
-        cur = self.cur
-        lane = self._lanes.get(cur)
+        lane = self._lanes.get(self.cur)
         if lane and lane.op_type == op_type:
             result = lanes.follow(self, lane, args)
             if result is not lanes.MISS:
@@ -205,6 +204,7 @@ class PythonRunner(RegionSkips):
         attrs = args[n:]
         flat = flatten(info, inputs) if info.has_list else inputs
         checks = self.checks
+        cur = self.cur  # the step before this op's (variable reads above are ops of their own)
         step = self._expect(_OP, op_type, lambda s: checks.fits(self.it, s, attrs, flat, True))
         if attrs != checks.fast_attrs.get(step):
             checks.check_attrs(step, op_type, attrs, True)
@@ -225,7 +225,7 @@ class PythonRunner(RegionSkips):
             if failed.ran:
                 failed.result = pack_fast(plan, failed.result)
             raise
-        if lane is None:  # the next time an op comes this way, it may take a lane
+        if cur not in self._lanes:  # the next time an op comes this way, it may take a lane
             self._lanes[cur] = lanes.build(self, cur, step, info, attrs, plan)
         if plan == "one":
             return outs[0]
