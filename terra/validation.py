@@ -26,9 +26,8 @@ _SCALARS = (int, float, bool)
 class Validation:
     """The checks of one runner, and what they learn: per const slot (by id) the tensor last
     validated as its value and the Python values (by :func:`value_key`) known to convert to
-    it, and per step the raw attr tuples validated (fast and slow path).
-    These are the runner's own tables: the TraceGraph and the plan are only read in
-    co-execution."""
+    it, and per step the raw attr tuples validated (fast and slow path). These are the
+    runner's own tables: the TraceGraph and the plan are only read in co-execution."""
 
     def __init__(self, step_of, tensors, seqs, value_of):
         self.step_of = step_of  # the plan's steps by TraceNode
