@@ -20,7 +20,7 @@ from tensorflow.python.eager.core import _NotOkStatusException
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
 from tensorflow.python.util import nest
 
-from terra import commit, escapes, functions, opdefs, path
+from terra import commit, escapes, functions, lanes, opdefs, path
 from terra.divergence import (
     Divergence,
     GraphFailed,
@@ -40,7 +40,7 @@ from terra.fallback import (
 )
 from terra.fast_path import fast_inputs, flatten, pack_fast, pack_plan
 from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
-from terra.nodes import NodeKind
+from terra.nodes import NodeKind, SlotKind
 from terra.plan import Step, where
 from terra.skips import RegionSkips
 from terra.standins import Entry, StandIns, leaves, to_indexed_slices
@@ -114,6 +114,11 @@ class PythonRunner(RegionSkips):
         # (a layer call's mark, its input shapes) -> the specs of what it returned, learned
         # where the call ran op by op with those shapes (skips.RegionSkips.learn)
         self._learned = {}
+        # a step -> the lanes.Lane into its one successor, or False (the general path only)
+        self._lanes = {}
+        # the inputs external values are read again from (a "same" slot's alternatives)
+        self.reread = {alt for step in graph.steps.values() for slot in step.slots
+                       if slot.kind is SlotKind.SAME for alt in slot.alts}
         self._took = None  # (step, seq) of the last Case Selects fed: the edge out of step
         self.checks = Validation(self.step_of, tensors, self.seqs, self.value_of)
         self.standins = StandIns(self, tensors)
@@ -185,6 +190,11 @@ class PythonRunner(RegionSkips):
 
     # -- the two doors ------------------------------------------------------------------
     def fast(self, ctx, op_type, name, args):
+        lane = self._lanes.get(self.cur)
+        if lane and lane.op_type == op_type:
+            result = lanes.follow(self, lane, args)
+            if result is not lanes.MISS:
+                return result
         info = opdefs.info(op_type)
         n = info.n_inputs
         if n is None:
@@ -197,6 +207,7 @@ class PythonRunner(RegionSkips):
         attrs = args[n:]
         flat = flatten(info, inputs) if info.has_list else inputs
         checks = self.checks
+        cur = self.cur  # the step before this op's (variable reads above are ops of their own)
         step = self._expect(_OP, op_type, lambda s: checks.fits(self.it, s, attrs, flat, True))
         if attrs != checks.fast_attrs.get(step):
             checks.check_attrs(step, op_type, attrs, True)
@@ -217,6 +228,8 @@ class PythonRunner(RegionSkips):
             if failed.ran:
                 failed.result = pack_fast(plan, failed.result)
             raise
+        if cur not in self._lanes:  # the next time an op comes this way, it may take a lane
+            self._lanes[cur] = lanes.build(self, cur, step, info, attrs, plan)
         if plan == "one":
             return outs[0]
         return pack_fast(plan, outs)

@@ -25,9 +25,9 @@ _SCALARS = (int, float, bool)
 
 class Validation:
     """The checks of one runner, and what they learn: per const slot (by id) the tensor last
-    validated as its value and the Python scalars known to convert to it, and per step the
-    raw attr tuples validated (fast and slow path). These are the runner's own tables: the
-    TraceGraph and the plan are only read in co-execution."""
+    validated as its value and the Python values (by :func:`value_key`) known to convert to
+    it, and per step the raw attr tuples validated (fast and slow path). These are the
+    runner's own tables: the TraceGraph and the plan are only read in co-execution."""
 
     def __init__(self, step_of, tensors, seqs, value_of):
         self.step_of = step_of  # the plan's steps by TraceNode
@@ -37,7 +37,7 @@ class Validation:
         self.seqs = seqs
         self.value_of = value_of  # the real value behind an entry of an earlier iteration
         self.const_ids = {}
-        self.scalars = {}
+        self.known = {}  # per const slot (by id): the value_key of Python values accepted
         self.fast_attrs = {}
         self.slow_attrs = {}
 
@@ -156,13 +156,12 @@ class Validation:
         it, or for a fed one the tensor fed."""
         kind = slot.kind
         if kind is SlotKind.CONST:
-            scalar = type(a) in _SCALARS
-            accepted = self.scalars.get(id(slot), ())
-            if not (scalar and (type(a), a) in accepted):  # 1, 1.0, True differ
+            key = value_key(a)
+            if key is None or key not in self.known.get(id(slot), ()):
                 if not _converts_to(a, slot.value):
                     raise _bad(step, i, "constant value changed", "value change")
-                if scalar:
-                    self.scalars.setdefault(id(slot), set()).add((type(a), a))
+                if key is not None:
+                    self.known.setdefault(id(slot), set()).add(key)
             return a
         if kind is SlotKind.FEED:
             t = constant_op.constant(a, dtype=dtypes.as_dtype(slot.dtype))
@@ -299,6 +298,23 @@ def _converts_to(a, value):
     if value.dtype.kind in "iub" and not np.array_equal(converted, np.asarray(a)):
         return False
     return converted.shape == value.shape and np.array_equal(converted, value)
+
+
+def value_key(a):
+    """What decides the conversion of the Python value ``a`` to a constant, as a set's key:
+    a scalar's type and value (1, 1.0 and True differ), each element's of a flat list or
+    tuple of scalars, a numpy array's dtype, shape and bytes; None for anything else (then
+    it is converted every time)."""
+    kind = type(a)
+    if kind in _SCALARS:
+        return kind, a
+    if kind is tuple or kind is list:
+        if all(type(x) in _SCALARS for x in a):
+            return kind, tuple((type(x), x) for x in a)
+        return None
+    if kind is np.ndarray and a.dtype.kind in "biufc":  # not objects or strings
+        return a.dtype.str, a.shape, a.tobytes()
+    return None
 
 
 def shape_ok(shape, want):

@@ -1,0 +1,203 @@
+"""``python -m benchmarks.per_op``: Terra's own cost per intercepted op in co-execution.
+
+The step of a program runs co-executed under Terra and in the floor mode (``benchmarks.floor``:
+every op answered from a recorded step, so only the user's Python and TF's op wrappers are
+left) in fresh worker processes, paired and interleaved as the main benchmark does. Terra's
+own cost per op is ``(Terra - floor) / N``, with N the ops the PythonRunner is handed per
+step, from the loop thread's CPU time and from the wall time (medians over repeats). A last
+block of Terra's steps also times the ops inside Terra's door directly (the time in
+``CoexecDoor.fast``/``slow`` less the waits for the graph, ``terra.stats().python_stall``):
+validation, stand-ins, feeds and path following, without cProfile's distortion.
+
+Programs: ``chain`` (defined here: a step of ~500 cheap ops on 4x4 tensors, no Keras, so Terra
+and the floor run the same Python) and any of ``benchmarks.programs``. On a Keras model the
+difference also holds what Terra saves (layer regions skip built-in layers' Python, which the
+floor runs), so there the door's own time is the figure to read.
+
+    python -m benchmarks.per_op                          # chain and yolov3, 3 repeats
+    python -m benchmarks.per_op --programs chain --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from benchmarks.harness import run_worker
+from benchmarks.worker import keras_env, serve
+
+CHAIN_OPS = 500  # the chain step's ops (ReadVariableOp, AddV2, Mul, StridedSlice, ...)
+# program -> (warm-up, timed steps); yolov3 warms up over its eight batches three times, so
+# the output shapes its boolean masks give are known (inferred once, then looked up)
+DEFAULTS = {"chain": (8, 200), "yolov3": (24, 16)}
+
+
+def chain_program(seed: int):
+    """The ``chain`` program (imports TensorFlow): one variable read, then ``CHAIN_OPS`` cheap
+    ops of five kinds on a 4x4 tensor (a Python scalar constant, a stand-in input, slicing
+    with converted constants, a concat, a transpose), and the gradient of their sum."""
+    import tensorflow as tf
+
+    from benchmarks.programs.base import Program
+
+    class Chain(Program):
+        CONFIGS = {"quick": {}}
+
+        def build(self):
+            self.w = tf.Variable(tf.fill((4, 4), 0.5))
+            self.data = [(tf.constant(self.rng.normal(size=(4, 4)).astype("float32")),)
+                         for _ in range(4)]
+
+        def train_step(self, x):
+            with self.tape() as tape:
+                w = self.w * 1.0
+                y = x
+                for _ in range((CHAIN_OPS - 1) // 6):
+                    y = tf.add(y, 1.0) * w  # AddV2, Mul
+                    y = tf.concat([y[1:], y[:1]], 0)  # StridedSlice x2, ConcatV2
+                    y = tf.transpose(y)
+                loss = tf.reduce_sum(y)
+            grad = tape.gradient(loss, self.w)
+            self.w.assign_sub(1e-3 * grad)
+            return loss
+
+    return Chain("quick", seed, tape=_tape)
+
+
+_tape = None  # the worker's tape class, set before the program is built
+
+
+def run_one(program: str, mode: str, warmup: int, steps: int, seed: int = 0) -> dict:
+    """One worker run: ``warmup`` steps (Terra: at least until it co-executes), ``steps`` timed
+    steps (wall and the loop thread's CPU, up to and including their losses' conversion),
+    then, under Terra, as many steps again with its door timed."""
+    global _tape
+    from benchmarks import modes
+    from benchmarks.programs import load, run
+
+    m = modes.MODES[mode]
+    _tape = modes.tape_for(m)
+    prog = chain_program(seed) if program == "chain" else load(program)("quick", seed,
+                                                                         tape=_tape)
+    step_fn = modes.step_fn_for(m, prog, warmup)
+    run(prog, warmup, step_fn)
+    if m.terra is not None:
+        import terra
+
+        for _ in range(4 * warmup):  # an instantiation in the background: eager steps
+            if terra.stats().phase == "coexecution":
+                break
+            run(prog, 1, step_fn)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    run(prog, steps, step_fn)
+    result = dict(program=program, mode=mode, ms=(time.perf_counter() - wall) / steps * 1e3,
+                  cpu_ms=(time.thread_time() - cpu) / steps * 1e3)
+    if m.floor:
+        result["ops"] = step_fn.stats()["ops_per_step"]
+        result["diverged"] = step_fn.stats()["diverged_steps"]
+    else:
+        result.update(_door_timed(prog, step_fn, steps))
+    return result
+
+
+def _door_timed(prog, step_fn, steps) -> dict:
+    """``steps`` more Terra steps with its door's outermost calls timed: the ops it was handed
+    per step and its own time per op (less its waits for the graph). Also Terra's counters."""
+    import terra
+    from benchmarks.programs import run
+    from terra.doors import CoexecDoor
+
+    counts = {"ops": 0, "depth": 0, "time": 0.0}
+
+    def timed(method):
+        def door(self, *args):
+            counts["ops"] += 1
+            counts["depth"] += 1
+            waiting = self.runtime.runner.waiting
+            stalled, began = waiting.stall_time, time.perf_counter()
+            try:
+                return method(self, *args)
+            finally:
+                counts["depth"] -= 1
+                if not counts["depth"]:  # a variable read inside an op: counted once
+                    counts["time"] += time.perf_counter() - began - (
+                        waiting.stall_time - stalled)
+        return door
+
+    before = terra.stats()
+    CoexecDoor.fast, CoexecDoor.slow = timed(CoexecDoor.fast), timed(CoexecDoor.slow)
+    run(prog, steps, step_fn)
+    after = terra.stats()
+    return dict(ops=counts["ops"] / steps, coexecuted=after.coexecuted - before.coexecuted,
+                fallbacks=after.fallbacks - before.fallbacks, phase=after.phase,
+                door_us=counts["time"] / max(counts["ops"], 1) * 1e6)
+
+
+def measure(programs, repeats, timeout, log=print) -> list[dict]:
+    """Every (program, repeat) pair of runs, Terra and floor in alternating order."""
+    runs = []
+    for program in programs:
+        warmup, steps = DEFAULTS.get(program, (8, 12))
+        for r in range(repeats):
+            order = ("terra", "floor") if r % 2 == 0 else ("floor", "terra")
+            pair = {}
+            for mode in order:
+                spec = dict(program=program, mode=mode, warmup=warmup, steps=steps)
+                # co-executed whatever Terra's cost budget would decide: it is what is measured
+                env = dict(keras_env(3), TERRA_BUDGET="inf")
+                pair[mode] = run_worker("benchmarks.per_op", spec, timeout, env)
+                if "error" in pair[mode]:
+                    raise SystemExit(f"{program} {mode}: {pair[mode]['error']}\n"
+                                     f"{pair[mode].get('traceback', '')}")
+            log(f"  {program} repeat {r + 1}: terra {pair['terra']['ms']:.2f} ms/step, "
+                f"floor {pair['floor']['ms']:.2f} ms/step", file=sys.stderr)
+            runs.append(dict(program=program, repeat=r, **pair))
+    return runs
+
+
+def summarize(runs) -> str:
+    """The table: per program, the median over repeats of each figure, the differences taken
+    within each pair."""
+    columns = {  # heading -> the figure of one pair
+        "ops/step": lambda t, f: t["ops"],
+        "floor ops/step": lambda t, f: f["ops"],
+        "Terra ms/step": lambda t, f: t["ms"],
+        "floor ms/step": lambda t, f: f["ms"],
+        "Terra CPU ms": lambda t, f: t["cpu_ms"],
+        "floor CPU ms": lambda t, f: f["cpu_ms"],
+        "own us/op (CPU)": lambda t, f: (t["cpu_ms"] - f["cpu_ms"]) * 1e3 / t["ops"],
+        "own us/op (wall)": lambda t, f: (t["ms"] - f["ms"]) * 1e3 / t["ops"],
+        "door us/op": lambda t, f: t["door_us"],
+    }
+    lines = ["| program | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for program in dict.fromkeys(r["program"] for r in runs):
+        pairs = [(r["terra"], r["floor"]) for r in runs if r["program"] == program]
+        cells = [statistics.median(figure(*p) for p in pairs) for figure in columns.values()]
+        lines.append(f"| {program} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.per_op", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--programs", default="chain,yolov3", help="comma-separated (default "
+                   "chain,yolov3): chain, or programs of benchmarks.programs")
+    p.add_argument("--repeats", type=int, default=3, help="paired repeats (default 3)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per worker run")
+    args = p.parse_args(argv)
+    runs = measure(args.programs.split(","), args.repeats, args.timeout)
+    for r in runs:
+        t = r["terra"]
+        if t["coexecuted"] == 0 or t["phase"] != "coexecution":
+            print(f"warning: {r['program']} repeat {r['repeat'] + 1}: Terra co-executed "
+                  f"{t['coexecuted']} timed steps, phase {t['phase']}", file=sys.stderr)
+    print(summarize(runs))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 2 and sys.argv[1].startswith("{"):
+        serve(run_one)
+    else:
+        main()
