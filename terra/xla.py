@@ -13,8 +13,8 @@ branches), registers the rewrite under a new name, and returns that name; the fu
 signature and captures are unchanged. Ops stay outside the compiled functions when XLA has no
 kernel for them, and a segment splits where it would otherwise form a cycle through an op
 left outside (a random op reading one of its shapes, whose result it reads again): each part
-is a convex piece, called once. XLA compiles each function at its first call, which the
-first co-executed iteration waits for.
+is a convex piece, called once. XLA compiles each function at its first call;
+``terra.precompile`` makes that first call before co-execution begins.
 """
 
 import collections
@@ -36,9 +36,12 @@ _TRIVIAL = frozenset({"Const", "Identity", "IdentityN", "NoOp", "ReadVariableOp"
 
 def compile_segments(function):
     """Register a copy of ConcreteFunction ``function`` whose XLA segments are compiled
-    functions; returns the copy's name (the function's own when no op is marked)."""
+    functions. Returns the copy's name (the function's own when no op is marked) and, for
+    ``terra.precompile``, the compiled functions of its body (not of its branches, whose
+    argument shapes its graph does not hold) as ``[(name, [input ref in the traced body])]``."""
     name = function._inference_function.name.decode()
-    return _rewrite(name) or name
+    segments = []
+    return _rewrite(name, segments) or name, segments
 
 
 def fixed_shapes(node):
@@ -65,8 +68,9 @@ def fixed_shapes(node):
     return True
 
 
-def _rewrite(name):
-    """The name of the rewritten copy of ``name``, or None when it has no op marked for XLA."""
+def _rewrite(name, segments=None):
+    """The name of the rewritten copy of ``name``, or None when it has no op marked for XLA;
+    with ``segments``, its compiled functions and their inputs are appended to it."""
     ctx = context.context()
     fdef = function_pb2.FunctionDef()
     fdef.CopyFrom(ctx.get_function_def(name))
@@ -83,8 +87,13 @@ def _rewrite(name):
     if not changed and not any("_XlaScope" in n.attr for n in fdef.node_def):
         return None
     new_name = f"{name}_xla"
+    origin = {}  # a call's output -> the traced tensor it stands for
     for k, piece in enumerate(pieces):
-        _outline(fdef, piece, f"{new_name}_{k}", f"xla_segment_{k}")
+        call = f"xla_segment_{k}"
+        inputs, outputs = _outline(fdef, piece, f"{new_name}_{k}", call)
+        origin.update((f"{call}:output:{j}", ref) for ref, j in outputs.items())
+        if segments is not None:
+            segments.append((f"{new_name}_{k}", [origin.get(ref, ref) for ref in inputs]))
     fdef.signature.name = new_name
     for attrs in [n.attr for n in fdef.node_def] + [a.attr for a in fdef.arg_attr.values()]:
         for mark in _MARKS:  # what is left outside is not auto-clustered
@@ -129,7 +138,8 @@ def _pieces(fdef):
 
 def _outline(fdef, piece, fn_name, call):
     """Move the nodes ``piece`` of ``fdef`` into a new compiled function ``fn_name``, called
-    where they were by node ``call``. Constants read from outside are copied in (XLA needs
+    where they were by node ``call``; returns the call's inputs (refs in ``fdef``) and its
+    outputs (``{ref of the piece: index}``). Constants read from outside are copied in (XLA needs
     some inputs, a ``Reshape``'s shape, as constants); control edges into or out of the piece
     become the call's."""
     members = set(piece)
@@ -202,12 +212,13 @@ def _outline(fdef, piece, fn_name, call):
     kept = [n for n in fdef.node_def if n.name not in members]
     del fdef.node_def[:]
     fdef.node_def.extend(kept)
-    _add_call(fdef, call, fn_name, list(inputs) + sorted(controls),
+    add_call(fdef, call, fn_name, list(inputs) + sorted(controls),
               [a.type for a in body.signature.input_arg],
               [a.type for a in body.signature.output_arg])
+    return list(inputs), outputs
 
 
-def _add_call(fdef, call, fn_name, inputs, in_types, out_types):
+def add_call(fdef, call, fn_name, inputs, in_types, out_types):
     """Add node ``call`` to ``fdef``: a call of compiled function ``fn_name``."""
     node = fdef.node_def.add()
     node.name, node.op = call, "StatefulPartitionedCall"
@@ -229,12 +240,12 @@ def _types(fdef):
         if ":" not in ref:
             return args[ref]
         name, arg, index = ref.split(":")
-        return _output_types(nodes[name])[arg][int(index)]
+        return output_types(nodes[name])[arg][int(index)]
 
     return dtype
 
 
-def _output_types(node):
+def output_types(node):
     """``{output arg name: [dtype]}`` of a FunctionDef node."""
     op_def = op_def_registry.get(node.op)
     if op_def is None:  # a call of a library function by name
@@ -256,7 +267,11 @@ def _output_types(node):
 
 
 def _compilable(node):
-    """Whether XLA has a CPU kernel for ``node`` that accepts its types."""
+    """Whether XLA has a CPU kernel for ``node`` that accepts its types. A fed value's
+    ``EnsureShape`` stays outside: a compiled function then takes an input whose shape the
+    traced graph knows, which ``terra.precompile`` can make."""
+    if node.op == "EnsureShape":
+        return False
     for kernel in _xla_kernels(node.op):
         if all(_allowed(node, c) for c in kernel.constraint):
             return True

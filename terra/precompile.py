@@ -1,0 +1,140 @@
+"""XLA's compilation of a new graph's compiled functions, before co-execution begins.
+
+XLA compiles a function at its first call. Left to the graph's first call, that is the first
+co-executed iteration, which then waits for every segment in turn (YOLOv3: 15 s, DCGAN: 5 s):
+a run that co-executes from a given iteration on pays it there, and with the graph
+instantiated in the background, co-execution begins at an iteration that depends on timing.
+Here each compiled function of the graph's body is called once, right after generation, on
+zeros and on fresh variables of the shapes the traced graph holds: XLA's cache is keyed by
+the function and its arguments' shapes and types, so the graph's first call finds them
+compiled. The call goes through a caller built like the graph's call (a
+``StatefulPartitionedCall`` with ``_XlaMustCompile`` inside a function): XLA's cache for
+calls from a graph is not the one for a function run eagerly.
+
+The training loop waits for it, as a ``tf.function(jit_compile=True)`` step waits at its
+first call. Compiling in the background while the loop ran eager iterations was measured and
+dropped: on two cores the compilations and the eager iterations beside them slowed each other
+(DCGAN still compiling after 38 iterations, below eager's speed). With the loop waiting, the
+functions compile side by side in one thread per core, and the graph's instantiation
+(``terra.background.instantiate``) with them.
+
+A function whose inputs the traced graph does not know the shape of, or that fails on zeros,
+is compiled at the graph's first call as before; :func:`compile_before_use` says how many
+were compiled here.
+"""
+
+import concurrent.futures
+import os
+
+from tensorflow.core.framework import function_pb2
+from tensorflow.python.eager import context, execute
+from tensorflow.python.framework import dtypes, errors, tensor_shape
+from tensorflow.python.ops import array_ops, resource_variable_ops
+
+from terra import background
+from terra.xla import add_call, output_types
+
+
+def compile_before_use(graph):
+    """Instantiate ``graph`` and compile its XLA functions, side by side, one thread per
+    core; returns how many of its functions were compiled (the rest compile at their first
+    call)."""
+    spec = _shapes(graph.function)
+    calls = [call for call in (_Call(segment, spec, graph.call_attrs)
+                               for segment in graph.xla_segments) if call.specs is not None]
+    workers = max(1, len(os.sched_getaffinity(0)))
+    with concurrent.futures.ThreadPoolExecutor(workers, "terra-xla") as pool:
+        jobs = [pool.submit(background.instantiate, graph)]
+        jobs += [pool.submit(call) for call in sorted(calls, key=lambda c: -c.size)]
+        results = [job.result() for job in jobs]
+    return sum(results[1:])
+
+
+class _Call:
+    """One compiled function's first call: its caller (built here, in the loop's thread:
+    registering a function is not for the pool's threads) and its arguments' specs
+    ``[(dtype, shape, is a variable)]``, None when a shape is not known."""
+
+    def __init__(self, segment, spec, attrs):
+        self.name, inputs = segment
+        self.specs = [spec(ref) for ref in inputs]
+        if None in self.specs:
+            self.specs = None
+            return
+        self.attrs = attrs
+        self.size = len(context.context().get_function_def(self.name).node_def)
+        self.caller = _caller(self.name, [dtypes.resource.as_datatype_enum if variable else dtype
+                                          for dtype, _, variable in self.specs])
+
+    def __call__(self):
+        """Call the function once (in a pool thread, whose ops Terra does not intercept);
+        whether it compiled."""
+        held = []  # the fresh variables, alive until the call is over
+        args = []
+        for dtype, shape, variable in self.specs:
+            if variable:
+                held.append(resource_variable_ops.ResourceVariable(
+                    array_ops.zeros(shape, dtype)))
+                args.append(held[-1].handle)
+            else:
+                args.append(array_ops.zeros(shape, dtype))
+        try:
+            execute.execute(self.caller, 0, args, self.attrs, context.context())
+        except errors.OpError:
+            return False  # zeros it cannot take: compiled at the graph's first call
+        return True
+
+
+def _shapes(function):
+    """``ref -> (dtype, shape, is a variable)`` for the tensors of ``function``'s body
+    (``node:arg:index``, or an argument: a captured tensor, or a captured variable's handle),
+    None where the shape is not fully known."""
+    graph = function.graph
+    fdef = context.context().get_function_def(function._inference_function.name.decode())
+    nodes = {n.name: n for n in fdef.node_def}
+    # the body's arguments are its captures, in order
+    captured = dict(zip((a.name for a in fdef.signature.input_arg), function.captured_inputs))
+
+    def spec(ref):
+        if ":" not in ref:
+            t = captured.get(ref)
+            if t is None:
+                return None
+            if t.dtype != dtypes.resource:
+                return (t.dtype.as_datatype_enum, t.shape.as_list(), False) \
+                    if t.shape.is_fully_defined() else None
+            data = getattr(t, "_handle_data", None)
+            if not data or not data.shape_and_type:
+                return None
+            part = data.shape_and_type[0]
+            shape = tensor_shape.TensorShape(part.shape)
+            return (part.dtype, shape.as_list(), True) if shape.is_fully_defined() else None
+        node, arg, index = ref.split(":")
+        flat = 0
+        for name, types in output_types(nodes[node]).items():
+            if name == arg:
+                break
+            flat += len(types)
+        t = graph.get_operation_by_name(node).outputs[flat + int(index)]
+        if t.dtype == dtypes.resource or not t.shape.is_fully_defined():
+            return None
+        return t.dtype.as_datatype_enum, t.shape.as_list(), False
+
+    return spec
+
+
+def _caller(fn_name, in_types):
+    """A function that calls compiled function ``fn_name`` as the generated graph does."""
+    callee = context.context().get_function_def(fn_name).signature
+    fdef = function_pb2.FunctionDef()
+    fdef.signature.name = f"{fn_name}_caller"
+    for i, dtype in enumerate(in_types):
+        arg = fdef.signature.input_arg.add()
+        arg.name, arg.type = f"a{i}", dtype
+    add_call(fdef, "call", fn_name, [f"a{i}" for i in range(len(in_types))], in_types,
+             [a.type for a in callee.output_arg])
+    fdef.control_ret["call"] = "call"
+    fdef.signature.control_output.append("call")
+    fdef.signature.is_stateful = True
+    context.context().add_function_def(fdef)
+    return fdef.signature.name

@@ -1,0 +1,79 @@
+"""Terra+XLA: the graph's XLA functions are compiled before it co-executes
+(``terra.precompile``), its writes wait for the commit point as without XLA, and its numbers
+are eager's up to XLA's rounding."""
+
+import pytest
+import tensorflow as tf
+from differential import assert_same_as_eager, record_stats
+from tiny_models import batch, classification_data, mlp, sparse_xent, state
+
+import terra
+from terra import runtime
+
+STEPS, CHANGED_STEP = 12, 7  # warm-up 1 + 2-3 traces: CHANGED_STEP is co-executed
+_compiled = []  # the Terra run's lifecycle.compiled, read by the test
+
+
+@pytest.fixture
+def xla():
+    terra.configure(xla=True)
+    yield
+    terra.configure(xla=False)
+
+
+def mlp_adam_fed_program(tape_cls, steps, change_at=None):
+    """An MLP with Adam on a new batch each step, the loss read once at the end: its
+    segments (the forward and backward pass, every variable's update) are compiled. At step
+    ``change_at`` the loss has an L2 term no trace had: a fallback inside the tape."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 32, 64, 10)
+    model = mlp(64, (64, 64), 10)
+    optimizer = tf.keras.optimizers.Adam(1e-3)
+    loss_fn = sparse_xent()
+    losses = []
+    for step in range(steps):
+        record_stats(f"step{step}")
+        x, y = batch(data, step, 32)
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+            if step == change_at:
+                loss += 1e-2 * tf.add_n([tf.nn.l2_loss(w) for w in model.trainable_variables])
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(loss)
+    losses = [float(loss) for loss in losses]
+    if tape_cls is not tf.GradientTape:
+        _compiled[:] = runtime.current().lifecycle.compiled
+        record_stats("end")
+    return {"losses": losses, **state(model, optimizer)}
+
+
+def fallback_program(tape_cls, steps):
+    return mlp_adam_fed_program(tape_cls, steps, change_at=CHANGED_STEP)
+
+
+def test_xla_functions_compile_before_the_first_coexecuted_iteration(xla):
+    """Every compiled function of the graph is compiled when the graph is generated, so no
+    co-executed iteration compiles: all of them together spend less time in the graph than
+    the compilation took (compiling at the first call, the first one alone spent about as
+    long as that). The numbers are eager's at the benchmark's XLA tolerance."""
+    outcome = assert_same_as_eager(mlp_adam_fed_program, STEPS, rtol=1e-3, atol=1e-6,
+                                   min_coexecuted=STEPS - 4)
+    [(compiled, functions, seconds)] = _compiled
+    assert functions >= 2 and compiled == functions, (_compiled, outcome.report())
+    end = outcome.stats_at("end")
+    assert end.graph_exec < 0.5 * seconds, (end.graph_exec, _compiled, outcome.report())
+    assert "graph compiled" in outcome.explain, outcome.report()
+    # the updates wait for the commit point: no iteration reads the variables first
+    assert end.snapshots == 0, outcome.report()
+
+
+def test_a_fallback_under_xla_restores_nothing_written_before_the_commit_point(xla):
+    """A new op in the tape of a co-executed step falls back: the compiled updates had not
+    run (they wait for the commit point), the replay computes the step eagerly, and every
+    number is eager's."""
+    outcome = assert_same_as_eager(fallback_program, STEPS, rtol=1e-3, atol=1e-6,
+                                   expect_fallbacks=(1, 2), max_traces=4)
+    before, after = outcome.stats_at(f"step{CHANGED_STEP}"), outcome.stats_at("end")
+    assert before.coexecuted >= 1 and after.fallbacks >= 1, outcome.report()
+    assert after.snapshots == 0, outcome.report()
