@@ -23,12 +23,14 @@ is compiled at the graph's first call as before; :func:`compile_before_use` says
 were compiled here.
 """
 
+import collections
 import concurrent.futures
 import os
 
+import numpy as np
 from tensorflow.core.framework import function_pb2
 from tensorflow.python.eager import context, execute
-from tensorflow.python.framework import dtypes, errors, tensor_shape
+from tensorflow.python.framework import constant_op, dtypes, errors, tensor_shape, tensor_util
 from tensorflow.python.ops import array_ops, resource_variable_ops
 
 from terra import background
@@ -50,10 +52,28 @@ def compile_before_use(graph):
     return sum(results[1:])
 
 
+class _Arg(collections.namedtuple("_Arg", "dtype shape variable value")):
+    """A compiled function's argument as the traced graph knows it: a variable's handle
+    (``variable``: a fresh variable of its dtype and shape stands in), or a tensor, whose
+    ``value`` is known for an integer the graph computes from static shapes and constants
+    (None otherwise: zeros stand in). XLA takes some arguments as compile-time constants (a
+    ``Conv2DBackpropFilter``'s filter sizes) and compiles for their value: zeros there would
+    compile another entry, or fail."""
+
+    def make(self, held):
+        if self.variable:
+            held.append(resource_variable_ops.ResourceVariable(
+                array_ops.zeros(self.shape, self.dtype)))
+            return held[-1].handle
+        if self.value is not None:
+            return constant_op.constant(self.value, self.dtype)
+        return array_ops.zeros(self.shape, self.dtype)
+
+
 class _Call:
     """One compiled function's first call: its caller (built here, in the loop's thread:
-    registering a function is not for the pool's threads) and its arguments' specs
-    ``[(dtype, shape, is a variable)]``, None when a shape is not known."""
+    registering a function is not for the pool's threads) and its :class:`_Arg` list
+    (``specs``), None when a shape is not known."""
 
     def __init__(self, segment, spec, attrs):
         self.name, inputs = segment
@@ -63,37 +83,36 @@ class _Call:
             return
         self.attrs = attrs
         self.size = len(context.context().get_function_def(self.name).node_def)
-        self.caller = _caller(self.name, [dtypes.resource.as_datatype_enum if variable else dtype
-                                          for dtype, _, variable in self.specs])
+        self.caller = _caller(self.name, [dtypes.resource.as_datatype_enum if a.variable
+                                          else a.dtype for a in self.specs])
 
     def __call__(self):
         """Call the function once (in a pool thread, whose ops Terra does not intercept);
         whether it compiled."""
         held = []  # the fresh variables, alive until the call is over
-        args = []
-        for dtype, shape, variable in self.specs:
-            if variable:
-                held.append(resource_variable_ops.ResourceVariable(
-                    array_ops.zeros(shape, dtype)))
-                args.append(held[-1].handle)
-            else:
-                args.append(array_ops.zeros(shape, dtype))
+        args = [a.make(held) for a in self.specs]
         try:
             execute.execute(self.caller, 0, args, self.attrs, context.context())
         except errors.OpError:
-            return False  # zeros it cannot take: compiled at the graph's first call
+            return False  # arguments it cannot take: compiled at the graph's first call
         return True
 
 
 def _shapes(function):
-    """``ref -> (dtype, shape, is a variable)`` for the tensors of ``function``'s body
-    (``node:arg:index``, or an argument: a captured tensor, or a captured variable's handle),
-    None where the shape is not fully known."""
+    """``ref -> _Arg`` for the tensors of ``function``'s body (``node:arg:index``, or an
+    argument: a captured tensor, or a captured variable's handle), None where the shape is not
+    fully known."""
     graph = function.graph
     fdef = context.context().get_function_def(function._inference_function.name.decode())
     nodes = {n.name: n for n in fdef.node_def}
     # the body's arguments are its captures, in order
     captured = dict(zip((a.name for a in fdef.signature.input_arg), function.captured_inputs))
+
+    def tensor(t, value):
+        if not t.shape.is_fully_defined():
+            return None
+        known = value(t) if t.dtype.is_integer else None
+        return _Arg(t.dtype.as_datatype_enum, t.shape.as_list(), False, known)
 
     def spec(ref):
         if ":" not in ref:
@@ -101,14 +120,14 @@ def _shapes(function):
             if t is None:
                 return None
             if t.dtype != dtypes.resource:
-                return (t.dtype.as_datatype_enum, t.shape.as_list(), False) \
-                    if t.shape.is_fully_defined() else None
+                return tensor(t, lambda t: t.numpy())
             data = getattr(t, "_handle_data", None)
             if not data or not data.shape_and_type:
                 return None
             part = data.shape_and_type[0]
             shape = tensor_shape.TensorShape(part.shape)
-            return (part.dtype, shape.as_list(), True) if shape.is_fully_defined() else None
+            return _Arg(part.dtype, shape.as_list(), True, None) \
+                if shape.is_fully_defined() else None
         node, arg, index = ref.split(":")
         flat = 0
         for name, types in output_types(nodes[node]).items():
@@ -116,11 +135,27 @@ def _shapes(function):
                 break
             flat += len(types)
         t = graph.get_operation_by_name(node).outputs[flat + int(index)]
-        if t.dtype == dtypes.resource or not t.shape.is_fully_defined():
-            return None
-        return t.dtype.as_datatype_enum, t.shape.as_list(), False
+        return None if t.dtype == dtypes.resource else tensor(t, _static_value)
 
     return spec
+
+
+def _static_value(t):
+    """The value of integer graph tensor ``t`` if static shapes and constants give it:
+    ``tensor_util.constant_value``, and the ops it does not know that a gradient computes a
+    compiled function's constant arguments with (a convolution's ``ShapeN``, a ``Tile``'s
+    ``Reshape`` of a ``Transpose``)."""
+    op = t.op
+    if op.type == "ShapeN":
+        shape = op.inputs[t.value_index].shape
+        return np.array(shape.as_list(), t.dtype.as_numpy_dtype) \
+            if shape.is_fully_defined() else None
+    if op.type in ("Reshape", "Transpose"):
+        x, arg = (_static_value(i) for i in op.inputs)
+        if x is None or arg is None:
+            return None
+        return np.reshape(x, arg) if op.type == "Reshape" else np.transpose(x, arg)
+    return tensor_util.constant_value(t)
 
 
 def _caller(fn_name, in_types):

@@ -8,7 +8,7 @@ from differential import assert_same_as_eager, record_stats
 from tiny_models import batch, classification_data, mlp, sparse_xent, state
 
 import terra
-from terra import runtime
+from terra import precompile, runtime
 
 STEPS, CHANGED_STEP = 12, 7  # warm-up 1 + 2-3 traces: CHANGED_STEP is co-executed
 _compiled = []  # the Terra run's lifecycle.compiled, read by the test
@@ -48,6 +48,34 @@ def mlp_adam_fed_program(tape_cls, steps, change_at=None):
     return {"losses": losses, **state(model, optimizer)}
 
 
+def conv_program(tape_cls, steps):
+    """Convolutions with Adam: their gradients' compiled functions take a
+    ``Conv2DBackpropFilter``'s filter sizes as an argument, which XLA compiles for its value."""
+    tf.keras.utils.set_random_seed(0)
+    data = classification_data(steps * 16, None, 3, image=(8, 8, 2))
+    model = tf.keras.Sequential([
+        tf.keras.Input((8, 8, 2)),
+        tf.keras.layers.Conv2D(4, 3, padding="same", activation="relu"),
+        tf.keras.layers.Conv2D(4, 3, strides=2, activation="relu"),
+        tf.keras.layers.GlobalAveragePooling2D(),
+        tf.keras.layers.Dense(3),
+    ])
+    optimizer = tf.keras.optimizers.Adam(1e-2)
+    loss_fn = sparse_xent()
+    losses = []
+    for step in range(steps):
+        x, y = batch(data, step, 16)
+        with tape_cls() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        losses.append(loss)
+    losses = [float(loss) for loss in losses]
+    if tape_cls is not tf.GradientTape:
+        _compiled[:] = runtime.current().lifecycle.compiled
+    return {"losses": losses, **state(model, optimizer)}
+
+
 def fallback_program(tape_cls, steps):
     return mlp_adam_fed_program(tape_cls, steps, change_at=CHANGED_STEP)
 
@@ -66,6 +94,41 @@ def test_xla_functions_compile_before_the_first_coexecuted_iteration(xla):
     assert "graph compiled" in outcome.explain, outcome.report()
     # the updates wait for the commit point: no iteration reads the variables first
     assert end.snapshots == 0, outcome.report()
+
+
+def test_a_convolution_programs_xla_functions_all_compile_before_use(xla):
+    """Convolutions, their gradients and Adam: every compiled function is compiled ahead
+    (their integer arguments passed with the values the traced graph gives, not zeros)."""
+    outcome = assert_same_as_eager(conv_program, STEPS, rtol=1e-3, atol=1e-6)
+    [(compiled, functions, _)] = _compiled
+    assert functions >= 2 and compiled == functions, (_compiled, outcome.report())
+
+
+def test_constant_arguments_get_the_values_static_shapes_give():
+    """XLA compiles for the value of some arguments (a ``Conv2DBackpropFilter``'s filter
+    sizes): where a convolution gradient's ``ShapeN``, or a ``Tile`` gradient's ``Reshape``
+    of a ``Transpose``, is outside the compiled function, ahead-of-use compilation passes
+    the value the traced graph's static shapes give (``tensor_util.constant_value`` knows
+    neither op)."""
+
+    @tf.function
+    def grads(x, w):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = tf.reduce_sum(tf.tile(tf.nn.conv2d(x, w, 1, "SAME"), [1, 2, 1, 1]))
+        return tape.gradient(y, [x, w])
+
+    graph = grads.get_concrete_function(tf.TensorSpec((2, 5, 5, 3)),
+                                        tf.TensorSpec((3, 3, 3, 4))).graph
+    shape_n = [op for op in graph.get_operations() if op.type == "ShapeN"]
+    assert shape_n, [op.type for op in graph.get_operations()]
+    assert [precompile._static_value(t).tolist() for t in shape_n[0].outputs] == \
+        [[2, 5, 5, 3], [3, 3, 3, 4]]
+    tile_grad = [op for op in graph.get_operations()
+                 if op.type == "Reshape" and op.inputs[0].op.type == "Transpose"]
+    assert tile_grad, [op.type for op in graph.get_operations()]
+    assert precompile._static_value(tile_grad[0].outputs[0]).tolist() == \
+        [1, 2, 2, 5, 1, 5, 1, 4]
 
 
 def test_a_fallback_under_xla_restores_nothing_written_before_the_commit_point(xla):
