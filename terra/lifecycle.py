@@ -212,9 +212,10 @@ class GraphLifecycle:
         self._generation_time += took
         self.ledger.generation(took)
         self.compiled.append((compiled, len(graph.xla_segments), took))
-        self._note("graph compiled", f"{compiled} of its {len(graph.xla_segments)} XLA "
-                   f"functions compiled, and the graph instantiated, in {took:.2f}s before "
-                   "it co-executes (the rest compile at their first call)")
+        self._note("graph compiled", f"{compiled} of the {len(graph.xla_segments)} XLA "
+                   f"functions of its body compiled, and the graph instantiated, in "
+                   f"{took:.2f}s before it co-executes (the rest, and those of switch-case "
+                   "branches, compile at their first call)")
 
     def instantiated(self):
         """The graph instantiated in the background, once that is over (else None): the

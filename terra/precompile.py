@@ -5,7 +5,8 @@ co-executed iteration, which then waits for every segment in turn (YOLOv3: 15 s,
 a run that co-executes from a given iteration on pays it there, and with the graph
 instantiated in the background, co-execution begins at an iteration that depends on timing.
 Here each compiled function of the graph's body is called once, right after generation, on
-zeros and on fresh variables of the shapes the traced graph holds: XLA's cache is keyed by
+fresh variables and tensors of the shapes the traced graph holds (integers with the values its
+static shapes give, zeros otherwise: :class:`_Arg`): XLA's cache is keyed by
 the function and its arguments' shapes and types, so the graph's first call finds them
 compiled. The call goes through a caller built like the graph's call (a
 ``StatefulPartitionedCall`` with ``_XlaMustCompile`` inside a function): XLA's cache for
@@ -18,9 +19,11 @@ dropped: on two cores the compilations and the eager iterations beside them slow
 functions compile side by side in one thread per core, and the graph's instantiation
 (``terra.background.instantiate``) with them.
 
-A function whose inputs the traced graph does not know the shape of, or that fails on zeros,
-is compiled at the graph's first call as before; :func:`compile_before_use` says how many
-were compiled here.
+Every compiled function of the body has inputs of known shapes (``xla.compile_segments``
+leaves the pieces of others as TF ops, and :func:`argument_spec` is what it asks). One that
+fails on these arguments (an integer XLA compiles for the value of, which the static shapes
+do not give), and those of a switch-case's branches, compile at the graph's first call;
+:func:`compile_before_use` says how many were compiled here.
 """
 
 import collections
@@ -41,9 +44,7 @@ def compile_before_use(graph):
     """Instantiate ``graph`` and compile its XLA functions, side by side, one thread per
     core; returns how many of its functions were compiled (the rest compile at their first
     call)."""
-    spec = _shapes(graph.function)
-    calls = [call for call in (_Call(segment, spec, graph.call_attrs)
-                               for segment in graph.xla_segments) if call.specs is not None]
+    calls = [_Call(name, specs, graph.call_attrs) for name, specs in graph.xla_segments]
     workers = max(1, len(os.sched_getaffinity(0)))
     with concurrent.futures.ThreadPoolExecutor(workers, "terra-xla") as pool:
         jobs = [pool.submit(background.instantiate, graph)]
@@ -72,16 +73,11 @@ class _Arg(collections.namedtuple("_Arg", "dtype shape variable value")):
 
 class _Call:
     """One compiled function's first call: its caller (built here, in the loop's thread:
-    registering a function is not for the pool's threads) and its :class:`_Arg` list
-    (``specs``), None when a shape is not known."""
+    registering a function is not for the pool's threads) and the specs of its arguments
+    (``specs``)."""
 
-    def __init__(self, segment, spec, attrs):
-        self.name, inputs = segment
-        self.specs = [spec(ref) for ref in inputs]
-        if None in self.specs:
-            self.specs = None
-            return
-        self.attrs = attrs
+    def __init__(self, name, specs, attrs):
+        self.name, self.specs, self.attrs = name, specs, attrs
         self.size = len(context.context().get_function_def(self.name).node_def)
         self.caller = _caller(self.name, [dtypes.resource.as_datatype_enum if a.variable
                                           else a.dtype for a in self.specs])
@@ -98,7 +94,7 @@ class _Call:
         return True
 
 
-def _shapes(function):
+def argument_spec(function):
     """``ref -> _Arg`` for the tensors of ``function``'s body (``node:arg:index``, or an
     argument: a captured tensor, or a captured variable's handle), None where the shape is not
     fully known."""

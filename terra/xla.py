@@ -34,14 +34,18 @@ _TRIVIAL = frozenset({"Const", "Identity", "IdentityN", "NoOp", "ReadVariableOp"
                       "StopGradient", "Shape", "Snapshot"})
 
 
-def compile_segments(function):
+def compile_segments(function, spec):
     """Register a copy of ConcreteFunction ``function`` whose XLA segments are compiled
-    functions. Returns the copy's name (the function's own when no op is marked) and, for
-    ``terra.precompile``, the compiled functions of its body (not of its branches, whose
-    argument shapes its graph does not hold) as ``[(name, [input ref in the traced body])]``."""
+    functions. ``spec(ref)`` describes a tensor of the traced body (``terra.precompile``), None
+    where its shape is not fully known: a piece of the body with such an input stays TF ops,
+    since XLA would compile it again at every new shape (YOLOv3's loss after a boolean mask
+    took 0.2 s more in four of its first six co-executed iterations). Returns the copy's name
+    (the function's own when no op is marked) and, for ``terra.precompile``, the compiled
+    functions of its body (not of its branches, whose argument shapes its graph does not
+    hold) as ``[(name, [spec of each input])]``."""
     name = function._inference_function.name.decode()
     segments = []
-    return _rewrite(name, segments) or name, segments
+    return _rewrite(name, spec, segments) or name, segments
 
 
 def fixed_shapes(node):
@@ -68,9 +72,10 @@ def fixed_shapes(node):
     return True
 
 
-def _rewrite(name, segments=None):
+def _rewrite(name, spec=None, segments=None):
     """The name of the rewritten copy of ``name``, or None when it has no op marked for XLA;
-    with ``segments``, its compiled functions and their inputs are appended to it."""
+    with ``spec``, only pieces whose inputs it knows are compiled, and they are appended to
+    ``segments`` with their inputs' specs."""
     ctx = context.context()
     fdef = function_pb2.FunctionDef()
     fdef.CopyFrom(ctx.get_function_def(name))
@@ -89,11 +94,15 @@ def _rewrite(name, segments=None):
     new_name = f"{name}_xla"
     origin = {}  # a call's output -> the traced tensor it stands for
     for k, piece in enumerate(pieces):
+        if spec is not None:
+            specs = [spec(origin.get(ref, ref)) for ref in _inputs(fdef, piece)]
+            if None in specs:
+                continue  # its ops stay TF ops (their marks are dropped below)
         call = f"xla_segment_{k}"
-        inputs, outputs = _outline(fdef, piece, f"{new_name}_{k}", call)
+        _, outputs = _outline(fdef, piece, f"{new_name}_{k}", call)
         origin.update((f"{call}:output:{j}", ref) for ref, j in outputs.items())
-        if segments is not None:
-            segments.append((f"{new_name}_{k}", [origin.get(ref, ref) for ref in inputs]))
+        if spec is not None:
+            segments.append((f"{new_name}_{k}", specs))
     fdef.signature.name = new_name
     for attrs in [n.attr for n in fdef.node_def] + [a.attr for a in fdef.arg_attr.values()]:
         for mark in _MARKS:  # what is left outside is not auto-clustered
@@ -134,6 +143,21 @@ def _pieces(fdef):
             groups[key].append(name)
     return [group for group in groups.values()
             if sum(nodes[n].op not in _TRIVIAL for n in group) >= _MIN_OPS]
+
+
+def _inputs(fdef, piece):
+    """The tensors the nodes ``piece`` of ``fdef`` read from outside it, in the order of the
+    compiled function's arguments (:func:`_outline`'s)."""
+    members = set(piece)
+    nodes = {n.name: n for n in fdef.node_def}
+    refs = {}
+    for name in piece:
+        for ref in nodes[name].input:
+            src = _source(ref)
+            if not ref.startswith("^") and src not in members and \
+                    not (src in nodes and _free(nodes[src])):
+                refs.setdefault(ref, len(refs))
+    return list(refs)
 
 
 def _outline(fdef, piece, fn_name, call):

@@ -2,20 +2,22 @@
 (``terra.precompile``), its writes wait for the commit point as without XLA, and its numbers
 are eager's up to XLA's rounding."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 from differential import assert_same_as_eager, record_stats
+from tensorflow.python.eager import context
 from tiny_models import batch, classification_data, mlp, sparse_xent, state
 
 import terra
-from terra import precompile, runtime
+from terra import graph_ops, precompile, runtime, xla
 
 STEPS, CHANGED_STEP = 12, 7  # warm-up 1 + 2-3 traces: CHANGED_STEP is co-executed
 _compiled = []  # the Terra run's lifecycle.compiled, read by the test
 
 
 @pytest.fixture
-def xla():
+def xla_mode():
     terra.configure(xla=True)
     yield
     terra.configure(xla=False)
@@ -80,7 +82,7 @@ def fallback_program(tape_cls, steps):
     return mlp_adam_fed_program(tape_cls, steps, change_at=CHANGED_STEP)
 
 
-def test_xla_functions_compile_before_the_first_coexecuted_iteration(xla):
+def test_xla_functions_compile_before_the_first_coexecuted_iteration(xla_mode):
     """Every compiled function of the graph is compiled when the graph is generated, so no
     co-executed iteration compiles: all of them together spend less time in the graph than
     the compilation took (compiling at the first call, the first one alone spent about as
@@ -96,12 +98,43 @@ def test_xla_functions_compile_before_the_first_coexecuted_iteration(xla):
     assert end.snapshots == 0, outcome.report()
 
 
-def test_a_convolution_programs_xla_functions_all_compile_before_use(xla):
+def test_a_convolution_programs_xla_functions_all_compile_before_use(xla_mode):
     """Convolutions, their gradients and Adam: every compiled function is compiled ahead
     (their integer arguments passed with the values the traced graph gives, not zeros)."""
     outcome = assert_same_as_eager(conv_program, STEPS, rtol=1e-3, atol=1e-6)
     [(compiled, functions, _)] = _compiled
     assert functions >= 2 and compiled == functions, (_compiled, outcome.report())
+
+
+def test_a_piece_reading_a_value_of_unknown_shape_stays_tf_ops():
+    """Two chains of marked ops in two segments: one reads a captured tensor of known shape
+    and becomes a compiled function; the other reads a boolean mask's rows, whose shape the
+    graph does not know (XLA would compile it again at every new row count): its ops stay
+    TF ops, unmarked."""
+    x = tf.constant(np.linspace(-1.0, 1.0, 12).reshape(4, 3), tf.float32)
+    unary = ("abs", "tanh", "square", "sin", "cos", "sigmoid", "softplus", "exp", "negative")
+
+    def body():
+        graph = tf.compat.v1.get_default_graph()
+        outs = []
+        for scope, source in ((b"known", lambda: x), (b"varying", lambda: tf.boolean_mask(
+                x, x > 0))):
+            y = source()
+            n_ops = len(graph.get_operations())
+            for name in unary:
+                y = getattr(tf.math, name)(y)
+            graph_ops.mark_for_xla(graph.get_operations()[n_ops:], scope)
+            outs.append(y)
+        return outs
+
+    function = tf.function(body, autograph=False).get_concrete_function()
+    name, segments = xla.compile_segments(function, precompile.argument_spec(function))
+    [(compiled, specs)] = segments
+    assert [(list(a.shape), a.variable) for a in specs] == [([4, 3], False)], specs
+    ctx = context.context()
+    assert sorted(n.op for n in ctx.get_function_def(compiled).node_def).count("Tanh") == 1
+    outside = [n for n in ctx.get_function_def(name).node_def if n.op == "Tanh"]
+    assert len(outside) == 1 and "_XlaScope" not in outside[0].attr, outside
 
 
 def test_constant_arguments_get_the_values_static_shapes_give():
@@ -131,7 +164,7 @@ def test_constant_arguments_get_the_values_static_shapes_give():
         [1, 2, 2, 5, 1, 5, 1, 4]
 
 
-def test_a_fallback_under_xla_restores_nothing_written_before_the_commit_point(xla):
+def test_a_fallback_under_xla_restores_nothing_written_before_the_commit_point(xla_mode):
     """A new op in the tape of a co-executed step falls back: the compiled updates had not
     run (they wait for the commit point), the replay computes the step eagerly, and every
     number is eager's."""
