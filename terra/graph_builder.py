@@ -60,6 +60,7 @@ from terra.plan import (
     plan_steps,
     switch_case_channels,
 )
+from terra.precompile import argument_spec
 from terra.queues import Channel
 from terra.xla import compile_segments
 
@@ -110,18 +111,19 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
 
     def body():
         emitter()
-        # XLA's pass moves the gated ops into compiled functions, away from the gate's edges
-        if emitter.first_write is not None and config.commit and not xla:
+        if emitter.first_write is not None and config.commit:
             gated[:] = commit.gate(ops.get_default_graph(), emitter.first_write,
                                    emitter.enqueued)
 
     body.__name__ = name
     function = def_function.function(body, autograph=False).get_concrete_function()
     off = finish_plan(tracegraph, steps, symbolic, unseen, varying, exact)
-    fn_name = compile_segments(function) if xla else None
+    fn_name, segments = compile_segments(function, argument_spec(function)) if xla else \
+        (None, ())
     graph = SymbolicGraph(start, steps, [(sc, c) for sc, c, _ in planned], function,
                           list(emitter.written.values()), rewriters_off=off, loops=list(loops),
-                          commit=gated or commit.NO_GATE, fn_name=fn_name)
+                          commit=gated or commit.NO_GATE, fn_name=fn_name,
+                          xla_segments=segments)
     if config.check:
         graph.freeze()
     return graph

@@ -11,7 +11,7 @@ never changes the runtime's state itself, so a phase is set in one place.
 
 import time
 
-from terra import background, budget, functions, interception, profiling
+from terra import background, budget, functions, interception, precompile, profiling
 from terra.config import config
 from terra.graph_builder import generate
 from terra.nodes import NodeKind
@@ -42,6 +42,8 @@ class GraphLifecycle:
         self._missed = None  # the call this iteration fell back at, counted already
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
+        # per graph with XLA functions: (compiled before use, functions, seconds it took)
+        self.compiled = []
         self._noted_first_wait = False  # explain() says why the first graph waits
         # what a graph of the TraceGraph would cost, or before a trace was merged, of the
         # last trace: its nodes and those of the tf.functions it calls, and its nodes in
@@ -171,8 +173,10 @@ class GraphLifecycle:
     @profiling.traced("terra_generate")
     def generate(self):
         """The graph of the TraceGraph, to install now; or None while TF instantiates it in
-        another thread (``config.background``: :meth:`instantiated` hands it over). Raises
-        :class:`GiveUp` if it cannot be generated (the program stays eager)."""
+        another thread (``config.background``: :meth:`instantiated` hands it over). A graph
+        with XLA functions is installed at once, compiled (``terra.precompile``): the loop
+        waits for that, as for generation. Raises :class:`GiveUp` if it cannot be generated
+        (the program stays eager)."""
         t0 = time.perf_counter()
         try:
             with interception.paused():
@@ -184,10 +188,34 @@ class GraphLifecycle:
             took = time.perf_counter() - t0
             self._generation_time += took
             self.ledger.generation(took)
+        if graph.xla_segments:
+            self._compile(graph)
+            return graph
         if config.background:  # eager iterations until TF has instantiated it
             self._pending = background.Instantiation(graph, self._stats.iterations)
             return None
         return graph
+
+    def _compile(self, graph):
+        """Instantiate ``graph`` and compile its XLA functions before it co-executes; the
+        time is the graph's cost, as generation's. If that fails, the graph's first call
+        fails the same way, which the GraphRunner handles."""
+        t0 = time.perf_counter()
+        try:
+            compiled = precompile.compile_before_use(graph)
+        except Exception as e:  # noqa: BLE001 - noted; the graph's first call will tell
+            if config.strict:
+                raise
+            self._note("Terra error (compiling the graph)", f"{type(e).__name__}: {e}")
+            compiled = 0
+        took = time.perf_counter() - t0
+        self._generation_time += took
+        self.ledger.generation(took)
+        self.compiled.append((compiled, len(graph.xla_segments), took))
+        self._note("graph compiled", f"{compiled} of the {len(graph.xla_segments)} XLA "
+                   f"functions of its body compiled, and the graph instantiated, in "
+                   f"{took:.2f}s before it co-executes (the rest, and those of switch-case "
+                   "branches, compile at their first call)")
 
     def instantiated(self):
         """The graph instantiated in the background, once that is over (else None): the

@@ -106,7 +106,8 @@ class SymbolicGraph:
     """The generated function, its channels, and the PythonRunner's plan for it."""
 
     def __init__(self, start, steps, switch_cases, function, written, rewriters_off=(),
-                 loops=(), commit=(None, None, frozenset(), frozenset()), fn_name=None):
+                 loops=(), commit=(None, None, frozenset(), frozenset()), fn_name=None,
+                 xla_segments=()):
         self.start = start  # Step before the first op; ``start.next`` are the first steps
         self.steps = steps  # {TraceNode: Step}
         self.loops = loops  # the loop nodes (terra.loops), each a While
@@ -123,6 +124,7 @@ class SymbolicGraph:
         self.n_early = sum(w[0]._id in early for w in written)
         # what the runner calls: the traced function, or its copy with compiled segments
         self.fn_name = fn_name or function._inference_function.name.decode()
+        self.xla_segments = xla_segments  # its compiled functions (terra.precompile)
         self.captures = list(function.captured_inputs)
         attrs = context.context().function_call_options.as_attrs()
         if rewriters_off:

@@ -13,8 +13,8 @@ branches), registers the rewrite under a new name, and returns that name; the fu
 signature and captures are unchanged. Ops stay outside the compiled functions when XLA has no
 kernel for them, and a segment splits where it would otherwise form a cycle through an op
 left outside (a random op reading one of its shapes, whose result it reads again): each part
-is a convex piece, called once. XLA compiles each function at its first call, which the
-first co-executed iteration waits for.
+is a convex piece, called once. XLA compiles each function at its first call;
+``terra.precompile`` makes that first call before co-execution begins.
 """
 
 import collections
@@ -34,11 +34,18 @@ _TRIVIAL = frozenset({"Const", "Identity", "IdentityN", "NoOp", "ReadVariableOp"
                       "StopGradient", "Shape", "Snapshot"})
 
 
-def compile_segments(function):
+def compile_segments(function, spec):
     """Register a copy of ConcreteFunction ``function`` whose XLA segments are compiled
-    functions; returns the copy's name (the function's own when no op is marked)."""
+    functions. ``spec(ref)`` describes a tensor of the traced body (``terra.precompile``), None
+    where its shape is not fully known: a piece of the body with such an input stays TF ops,
+    since XLA would compile it again at every new shape (YOLOv3's loss after a boolean mask
+    took 0.2 s more in four of its first six co-executed iterations). Returns the copy's name
+    (the function's own when no op is marked) and, for ``terra.precompile``, the compiled
+    functions of its body (not of its branches, whose argument shapes its graph does not
+    hold) as ``[(name, [spec of each input])]``."""
     name = function._inference_function.name.decode()
-    return _rewrite(name) or name
+    segments = []
+    return _rewrite(name, spec, segments) or name, segments
 
 
 def fixed_shapes(node):
@@ -65,8 +72,10 @@ def fixed_shapes(node):
     return True
 
 
-def _rewrite(name):
-    """The name of the rewritten copy of ``name``, or None when it has no op marked for XLA."""
+def _rewrite(name, spec=None, segments=None):
+    """The name of the rewritten copy of ``name``, or None when it has no op marked for XLA;
+    with ``spec``, only pieces whose inputs it knows are compiled, and they are appended to
+    ``segments`` with their inputs' specs."""
     ctx = context.context()
     fdef = function_pb2.FunctionDef()
     fdef.CopyFrom(ctx.get_function_def(name))
@@ -83,8 +92,17 @@ def _rewrite(name):
     if not changed and not any("_XlaScope" in n.attr for n in fdef.node_def):
         return None
     new_name = f"{name}_xla"
+    origin = {}  # a call's output -> the traced tensor it stands for
     for k, piece in enumerate(pieces):
-        _outline(fdef, piece, f"{new_name}_{k}", f"xla_segment_{k}")
+        if spec is not None:
+            specs = [spec(origin.get(ref, ref)) for ref in _inputs(fdef, piece)]
+            if None in specs:
+                continue  # its ops stay TF ops (their marks are dropped below)
+        call = f"xla_segment_{k}"
+        _, outputs = _outline(fdef, piece, f"{new_name}_{k}", call)
+        origin.update((f"{call}:output:{j}", ref) for ref, j in outputs.items())
+        if spec is not None:
+            segments.append((f"{new_name}_{k}", specs))
     fdef.signature.name = new_name
     for attrs in [n.attr for n in fdef.node_def] + [a.attr for a in fdef.arg_attr.values()]:
         for mark in _MARKS:  # what is left outside is not auto-clustered
@@ -127,9 +145,25 @@ def _pieces(fdef):
             if sum(nodes[n].op not in _TRIVIAL for n in group) >= _MIN_OPS]
 
 
+def _inputs(fdef, piece):
+    """The tensors the nodes ``piece`` of ``fdef`` read from outside it, in the order of the
+    compiled function's arguments (:func:`_outline`'s)."""
+    members = set(piece)
+    nodes = {n.name: n for n in fdef.node_def}
+    refs = {}
+    for name in piece:
+        for ref in nodes[name].input:
+            src = _source(ref)
+            if not ref.startswith("^") and src not in members and \
+                    not (src in nodes and _free(nodes[src])):
+                refs.setdefault(ref, len(refs))
+    return list(refs)
+
+
 def _outline(fdef, piece, fn_name, call):
     """Move the nodes ``piece`` of ``fdef`` into a new compiled function ``fn_name``, called
-    where they were by node ``call``. Constants read from outside are copied in (XLA needs
+    where they were by node ``call``; returns the call's inputs (refs in ``fdef``) and its
+    outputs (``{ref of the piece: index}``). Constants read from outside are copied in (XLA needs
     some inputs, a ``Reshape``'s shape, as constants); control edges into or out of the piece
     become the call's."""
     members = set(piece)
@@ -202,12 +236,13 @@ def _outline(fdef, piece, fn_name, call):
     kept = [n for n in fdef.node_def if n.name not in members]
     del fdef.node_def[:]
     fdef.node_def.extend(kept)
-    _add_call(fdef, call, fn_name, list(inputs) + sorted(controls),
+    add_call(fdef, call, fn_name, list(inputs) + sorted(controls),
               [a.type for a in body.signature.input_arg],
               [a.type for a in body.signature.output_arg])
+    return list(inputs), outputs
 
 
-def _add_call(fdef, call, fn_name, inputs, in_types, out_types):
+def add_call(fdef, call, fn_name, inputs, in_types, out_types):
     """Add node ``call`` to ``fdef``: a call of compiled function ``fn_name``."""
     node = fdef.node_def.add()
     node.name, node.op = call, "StatefulPartitionedCall"
@@ -229,12 +264,12 @@ def _types(fdef):
         if ":" not in ref:
             return args[ref]
         name, arg, index = ref.split(":")
-        return _output_types(nodes[name])[arg][int(index)]
+        return output_types(nodes[name])[arg][int(index)]
 
     return dtype
 
 
-def _output_types(node):
+def output_types(node):
     """``{output arg name: [dtype]}`` of a FunctionDef node."""
     op_def = op_def_registry.get(node.op)
     if op_def is None:  # a call of a library function by name
@@ -256,7 +291,11 @@ def _output_types(node):
 
 
 def _compilable(node):
-    """Whether XLA has a CPU kernel for ``node`` that accepts its types."""
+    """Whether XLA has a CPU kernel for ``node`` that accepts its types. A fed value's
+    ``EnsureShape`` stays outside: a compiled function then takes an input whose shape the
+    traced graph knows, which ``terra.precompile`` can make."""
+    if node.op == "EnsureShape":
+        return False
     for kernel in _xla_kernels(node.op):
         if all(_allowed(node, c) for c in kernel.constraint):
             return True
