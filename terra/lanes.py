@@ -59,8 +59,8 @@ def build(runner, cur, step, info, attrs, plan):
     """The lane from ``cur`` into ``step``, whose op was just matched by the general path
     with the raw ``attrs`` (validated and remembered); False where the general path is the
     only one: a branch point or a Case Select to feed on the edge, a step Python runs or
-    computes (a local one) or whose outputs are fetched, the path's end (the graph is waited for), inputs a lane
-    cannot check (fed, read again, joined, from a loop's body)."""
+    computes (a local one) or whose outputs are fetched, the path's end (the graph is waited
+    for), inputs a lane cannot check (fed, read again, joined, from a loop's body)."""
     if cur.next != [step] or cur.puts is not None or step.kind is not NodeKind.OP or \
             step.python or step.local is not None or step.dynamic or step.value_shaped or \
             step.next == [None] or \
