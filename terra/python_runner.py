@@ -18,7 +18,6 @@ stand-ins Python still holds (``terra.escapes``).
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager.core import _NotOkStatusException
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
-from tensorflow.python.util import nest
 
 from terra import commit, escapes, functions, lanes, opdefs, path
 from terra.divergence import (
@@ -31,10 +30,7 @@ from terra.divergence import (
     RanThenDiverged,
 )
 from terra.fallback import (
-    GradientCall,
     LoggedCustomGradient,
-    LoggedGradient,
-    LoggedMark,
     LoggedOp,
     LoggedPythonOp,
 )
@@ -43,7 +39,8 @@ from terra.interception import ORIGINAL_FAST, ORIGINAL_SLOW
 from terra.nodes import NodeKind, SlotKind
 from terra.plan import Step, where
 from terra.skips import RegionSkips
-from terra.standins import Entry, StandIns, leaves, to_indexed_slices
+from terra.standins import Entry, StandIns
+from terra.tape_events import TapeEvents
 from terra.validation import Validation, shape_ok
 from terra.waiting import Waiting
 
@@ -81,7 +78,7 @@ class Iteration:
         self.job.snapshot = self.job.early = None
 
 
-class PythonRunner(RegionSkips):
+class PythonRunner(TapeEvents, RegionSkips):
     """The handler of co-execution for one SymbolicGraph ``graph``. ``tensors``: the hook
     table; ``original_numpy``: TF's own ``_numpy``, for a stand-in's value; ``watchdog``,
     ``timeout`` and ``start`` (submits a job to the GraphRunner): for the waits;
@@ -263,73 +260,6 @@ class PythonRunner(RegionSkips):
                                                self._entries_of(list(outs)),
                                                self._entries_of(list(inputs)), tape_record))
         return outs[:num_outputs]
-
-    # -- tape events --------------------------------------------------------------------
-    def mark(self, what, attrs, tensors, extra):
-        step = self._expect(NodeKind.MARK, what, lambda s: s.attrs == attrs)
-        if step.attrs != attrs:
-            raise Divergence(f"tape {what} with different settings", "attribute change")
-        inputs = self.checks.inputs(self.it, step, list(tensors), feed=False)
-        self.it.log.append(LoggedMark(step, inputs, extra))
-        self._logged_move(step, None)
-
-    def gradient(self, attrs, tensors, extra):
-        """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""
-        it, checks = self.it, self.checks
-        step = self._expect(NodeKind.GRAD, "gradient",
-                            lambda s: s.attrs == attrs and checks.gradient_fits(it, s, tensors))
-        if step.attrs != attrs:
-            raise Divergence("gradient call with different arguments", "attribute change")
-        inputs = checks.inputs(it, step, list(tensors), feed=False)
-        values = checks.gradient_call(it, step, inputs)
-        if values is not None:
-            for channel, value in zip(step.backward_feeds[0], values):
-                channel.put(value)
-        flat = [self._gradient_result(r) for r in step.results]
-        tape, target, sources, output_gradients, unconnected = extra
-        # the log names stand-ins by their entries: holding a stand-in would make it look
-        # alive to finish() (an escape) although Python dropped it
-        it.log.append(LoggedGradient(step, inputs, leaves(flat, self.tensors), GradientCall(
-            tape, self._entries_of(target), self._entries_of(sources),
-            self._entries_of(output_gradients), unconnected)))
-        for body_step in step.body:  # the graph fills their channels whether or not Python looks
-            if body_step.has_fetch:
-                self._visit(body_step)
-        self._logged_move(step, flat)
-        return flat
-
-    def custom_gradient(self, op_type, outputs, inputs, backward):
-        """``tf.custom_gradient`` recorded its backward function for outputs of ops already
-        matched: keep it (stand-ins by their entries) for a replay."""
-        it = self.it
-        it.customs.append(LoggedCustomGradient(len(it.log), op_type,
-                                               self._entries_of(list(outputs)),
-                                               self._entries_of(list(inputs)), backward))
-
-    def _gradient_result(self, r):
-        """One flat result of a gradient call (``Step.results``): None, a stand-in, or the
-        IndexedSlices of stand-ins."""
-        if r is None:
-            return None
-        if r[0] == "t":
-            return self._result(*r[1])
-        return to_indexed_slices(*[None if p is None else self._result(*p) for p in r[1:]])
-
-    def _result(self, node, out):
-        """The stand-in of output ``out`` of ``node``, a backward op Python skipped; fetched
-        where its shape can vary (unless known: ``graph_builder._result_shapes``)."""
-        step = self.step_of[node]
-        outs, entries = self.standins.make(self.it, step, (node.out_specs[out],),
-                                           self.visits.get(step, 0), self.seq, out)
-        if step.fetch[out] is not None and not step.known_shape[out] and \
-                (step.dynamic or len(node.sigs) > 1):
-            return self._fetched(entries[0])
-        return outs[0]
-
-    def _entries_of(self, structure):
-        tensors = self.tensors
-        return nest.map_structure(
-            lambda x: tensors.get(x._id, x) if type(x) is _EagerTensor else x, structure)
 
     # -- matched ops --------------------------------------------------------------------
     def _run(self, step, flat):
