@@ -35,7 +35,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 
 from terra import opdefs
 from terra.commit import may_write
-from terra.folding import SHAPE_OF, VALUE_SHAPED, local_op, small_outputs, static_value
+from terra.folding import LocalSteps, static_value
 from terra.graph_ops import call_function, keep_eager_rounding, mark_for_xla, placeholder
 from terra.keys import Out, Phi, Read, spec, value_key
 from terra.nodes import NodeKind, SlotKind, relax
@@ -106,8 +106,7 @@ class Emitter:
         self._outer = {}  # id -> the top graph's capture of an eager tensor
         self._consts = {}  # one Const op per value per graph (and XLA scope)
         self._static = {}  # graph tensor -> its value in every iteration, or None (folding)
-        self._ops = {}  # node -> its graph op (the last emitted), for local steps
-        self._locals = {}  # node -> whether Python can compute its outputs (folding)
+        self._locals = LocalSteps(steps)  # which steps Python computes itself (folding)
         self._dispatch = {NodeKind.OP: self._emit_op, NodeKind.GRAD: self._emit_region,
                           NodeKind.LOOP: self._emit_loop, NodeKind.MARK: _emit_nothing}
 
@@ -194,7 +193,7 @@ class Emitter:
                 if slot.kind is SlotKind.VAR:
                     self.written.setdefault(slot.tensor._id,
                                             (slot.tensor, _var_dtype(node, slot.tensor)))
-        self._ops[node] = op
+        self._locals.emitted(node, op)
         for k, t in enumerate(op.outputs):  # decided for all outputs before any is
             self._note_dynamic(step, k, t)  # emitted: a data-dependent op fetches every one
         for k, t in enumerate(op.outputs):
@@ -387,29 +386,11 @@ class Emitter:
         if k in _SCRATCH_OUTPUTS.get(node.op_type, ()):
             return
         if (not t.shape.is_fully_defined() or node.data_dependent) and \
-                self._shaped_by_python(step):
-            step.check_shapes = True  # inferred as Python calls it (by the values it has)
-            for slot in (step.slots[i] for i in VALUE_SHAPED[step.op_type]):
-                if slot.kind is not SlotKind.CONST:
-                    step.value_shaped = True
-                if slot.kind is SlotKind.NODE:
-                    self._make_local(self.steps[slot.alts[0][0]])
+                self._locals.infer_shapes(step):
             return
         if not t.shape.is_fully_defined() and not step.check_shapes or node.data_dependent \
                 or step.check_shapes and k == 0 and not shape_fn_decides(node):
             step.dynamic = True
-
-    def _shaped_by_python(self, step):
-        """Whether ``step``'s output shapes follow from values Python has when it calls the
-        op: one of ``VALUE_SHAPED`` whose inputs its shape function reads values of are
-        Python's own (constants, values it feeds, outputs of local steps): a dropout's noise
-        shape from ``tf.shape`` of a sequence whose length varies."""
-        valued = VALUE_SHAPED.get(step.op_type)
-        return valued is not None and step.node in self._ops and all(
-            slot.kind in (SlotKind.CONST, SlotKind.FEED) or
-            slot.kind is SlotKind.NODE and len(slot.alts) == 1 and
-            self._local(self.steps[slot.alts[0][0]])
-            for slot in (step.slots[i] for i in valued))
 
     def _output(self, step, k, t, env, last_fetch):
         """Output ``k`` of ``step`` is ``t``: what later ops read, and a fetch if Python
@@ -429,45 +410,10 @@ class Emitter:
             if value is not None:
                 with ops.init_scope():
                     step.static[k] = constant_op.constant(value)
-            elif self._local(step):
-                self._make_local(step)
+            elif self._locals.can(step):
+                self._locals.make(step)
             else:
                 self._enqueue(step, k, t, last_fetch)
-
-    def _local(self, step):
-        """Whether Python can compute ``step``'s outputs itself, on values it holds: a local
-        op (``folding.local_op``) whose inputs are constants, values Python fed, outputs of
-        ops Python runs or of other local steps (any input but a variable, for a shape
-        read)."""
-        node = step.node
-        found = self._locals.get(node)
-        if found is None:
-            op = self._ops.get(node)
-            found = op is not None and not step.python and local_op(op) is not None and \
-                not any(step.fetch) and small_outputs(node) and \
-                all(self._local_input(step, slot) for slot in step.slots)
-            self._locals[node] = found
-        return found
-
-    def _local_input(self, step, slot):
-        if slot.kind in (SlotKind.CONST, SlotKind.FEED):
-            return True
-        if slot.kind is SlotKind.NODE and len(slot.alts) == 1:
-            producer = self.steps[slot.alts[0][0]]
-            if producer.python or self._local(producer):
-                return True
-        return step.op_type in SHAPE_OF and slot.kind not in (SlotKind.VAR, SlotKind.RESOURCE)
-
-    def _make_local(self, step):
-        """Make ``step`` and the local steps it reads local (``Step.local``)."""
-        if step.local is not None or step.python:
-            return
-        step.local = local_op(self._ops[step.node])
-        for slot in step.slots:
-            if slot.kind is SlotKind.NODE and len(slot.alts) == 1:
-                producer = self.steps[slot.alts[0][0]]
-                if self._locals.get(producer.node):
-                    self._make_local(producer)
 
 
 def _emit_nothing(step, env, last_fetch):

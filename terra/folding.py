@@ -26,6 +26,7 @@ from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import constant_op, dtypes, tensor_util
 
 from terra import interception
+from terra.nodes import SlotKind
 
 # Deterministic ops with integer or type attributes only, whose eager kernel computes what
 # the graph's does: shape arithmetic. Floating-point ops are left out (their rounding is the
@@ -126,3 +127,73 @@ def _run(t, inputs):
     except Exception:  # noqa: BLE001 - an attr TF will not take eagerly: the value is fetched
         return None
     return outs[t.value_index].numpy()
+
+
+class LocalSteps:
+    """Emission's choice of the local steps (``Step.local``) and of the steps whose
+    stand-ins' shapes Python infers from local values: the plan's ``steps`` and the graph op
+    each node was emitted as (``emitted``)."""
+
+    def __init__(self, steps):
+        self.steps = steps
+        self._ops = {}  # node -> its graph op (the last emitted)
+        self._can = {}  # node -> whether Python can compute its outputs
+
+    def emitted(self, node, op):
+        self._ops[node] = op
+
+    def can(self, step):
+        """Whether Python can compute ``step``'s outputs itself, on values it holds: a local
+        op (:func:`local_op`) whose inputs are constants, values Python fed, outputs of ops
+        Python runs or of other local steps (any input but a variable, for a shape read),
+        with shape-sized outputs."""
+        node = step.node
+        found = self._can.get(node)
+        if found is None:
+            op = self._ops.get(node)
+            found = op is not None and not step.python and local_op(op) is not None and \
+                not any(step.fetch) and small_outputs(node) and \
+                all(self._input(step, slot) for slot in step.slots)
+            self._can[node] = found
+        return found
+
+    def _input(self, step, slot):
+        if slot.kind in (SlotKind.CONST, SlotKind.FEED):
+            return True
+        if slot.kind is SlotKind.NODE and len(slot.alts) == 1:
+            producer = self.steps[slot.alts[0][0]]
+            if producer.python or self.can(producer):
+                return True
+        return step.op_type in SHAPE_OF and slot.kind not in (SlotKind.VAR, SlotKind.RESOURCE)
+
+    def make(self, step):
+        """Make ``step`` (one Python :meth:`can` compute) and the local steps it reads local."""
+        if step.local is not None or step.python:
+            return
+        step.local = local_op(self._ops[step.node])
+        for slot in step.slots:
+            if slot.kind is SlotKind.NODE and len(slot.alts) == 1:
+                producer = self.steps[slot.alts[0][0]]
+                if self._can.get(producer.node):
+                    self.make(producer)
+
+    def infer_shapes(self, step):
+        """If ``step``'s output shapes follow from values Python has when it calls the op
+        (one of ``VALUE_SHAPED`` whose inputs its shape function reads values of are Python's
+        own: constants, values it feeds, outputs of local steps; a dropout's noise shape from
+        ``tf.shape`` of a sequence whose length varies), mark it to have them inferred as
+        Python calls it, make those inputs' producers local and return True."""
+        valued = VALUE_SHAPED.get(step.op_type)
+        if valued is None or step.node not in self._ops or not all(
+                slot.kind in (SlotKind.CONST, SlotKind.FEED) or
+                slot.kind is SlotKind.NODE and len(slot.alts) == 1 and
+                self.can(self.steps[slot.alts[0][0]])
+                for slot in (step.slots[i] for i in valued)):
+            return False
+        step.check_shapes = True
+        for slot in (step.slots[i] for i in valued):
+            if slot.kind is not SlotKind.CONST:
+                step.value_shaped = True  # by the values, not the input shapes alone
+            if slot.kind is SlotKind.NODE:
+                self.make(self.steps[slot.alts[0][0]])
+        return True

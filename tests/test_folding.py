@@ -122,3 +122,23 @@ def test_values_that_follow_varying_shapes_are_computed_by_python_and_keep_eager
     waits = _waits_at(outcome, _varying_loop, ("# read: range", "# read: size",
                                                "# read: gradient"))
     assert not waits, outcome.report()
+
+
+def test_python_runs_shape_reads_and_integer_shape_arithmetic_itself_and_nothing_else():
+    ops_found = {}
+
+    @tf.function(autograph=False)
+    def f(x, n):
+        shape = tf.shape(x)
+        for name, t in (("shape", shape), ("index", shape[1]), ("range", tf.range(n)),
+                        ("float", x * 2.0), ("cast", tf.cast(shape, tf.float32)),
+                        ("data", tf.cast(tf.reduce_sum(x), tf.int32))):
+            ops_found[name] = t.op
+        return x
+
+    f.get_concrete_function(tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([], tf.int32))
+    local = {name: folding.local_op(op) is not None for name, op in ops_found.items()}
+    # the data read's last op is a Cast of a float sum: a float input, not Python's to run
+    assert local == {"shape": True, "index": True, "range": True, "float": False,
+                     "cast": False, "data": False}
+    assert dict(zip(*[iter(folding.local_op(ops_found["shape"]))] * 2))["out_type"] == tf.int32
