@@ -266,10 +266,10 @@ class PythonRunner(TapeEvents, RegionSkips):
         it, standins = self.it, self.standins
         inputs = self.checks.inputs(it, step, flat)
         if step.local is not None:  # Python's own: its values, no stand-ins, no fetch
-            outs = standins.local(it, step, flat, self.visits.get(step, 0), self.seq)
+            outs, entries = standins.local(it, step, flat, self.visits.get(step, 0), self.seq)
             if step.dynamic and it.signature is not None:
                 it.signature.append(tuple(o._shape_tuple() for o in outs))
-            it.log.append(LoggedOp(step, inputs, [self.tensors[o._id] for o in outs], False))
+            it.log.append(LoggedOp(step, inputs, entries, False))
             self._logged_move(step, outs)
             return outs
         specs = standins.specs(step, flat) if step.check_shapes else step.out_specs

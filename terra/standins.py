@@ -112,9 +112,9 @@ class StandIns:
         return outs, entries
 
     def local(self, it, step, flat, visit, seq):
-        """The outputs of a local step (``Step.local``, ``terra.folding``): its op run by
-        Python on the values of its inputs, registered as the step's outputs. A shape read
-        runs on a stand-in as it is (its shape is the graph's)."""
+        """The outputs of a local step (``Step.local``, ``terra.folding``) and their entries:
+        its op run by Python on the values of its inputs, registered as the step's outputs.
+        A shape read runs on a stand-in as it is (its shape is the graph's)."""
         tensors, shape_of = self.tensors, step.op_type in SHAPE_OF
         args = []
         for a, slot in zip(flat, step.slots, strict=True):
@@ -131,12 +131,13 @@ class StandIns:
                                            step.local, context.context())
         except errors.OpError as error:  # TF's error, eager's too: raised once
             raise RaisedInPython(error) from None
-        escaping = it.entries
+        escaping, entries = it.entries, []
         for k, v in enumerate(values):
             e = Entry(self.runner, it, step, k, v, visit, seq)
             tensors[v._id] = e
             escaping.append((e, v))
-        return values
+            entries.append(e)
+        return values, entries
 
     def _dummy(self, spec):
         shape, dtype = spec

@@ -30,24 +30,7 @@ def mlp_adam_fed_program(tape_cls, steps, change_at=None):
     tf.keras.utils.set_random_seed(0)
     data = classification_data(steps * 32, 64, 10)
     model = mlp(64, (64, 64), 10)
-    optimizer = tf.keras.optimizers.Adam(1e-3)
-    loss_fn = sparse_xent()
-    losses = []
-    for step in range(steps):
-        record_stats(f"step{step}")
-        x, y = batch(data, step, 32)
-        with tape_cls() as tape:
-            loss = loss_fn(y, model(x, training=True))
-            if step == change_at:
-                loss += 1e-2 * tf.add_n([tf.nn.l2_loss(w) for w in model.trainable_variables])
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        losses.append(loss)
-    losses = [float(loss) for loss in losses]
-    if tape_cls is not tf.GradientTape:
-        _compiled[:] = runtime.current().lifecycle.compiled
-        record_stats("end")
-    return {"losses": losses, **state(model, optimizer)}
+    return _train(tape_cls, steps, model, tf.keras.optimizers.Adam(1e-3), data, 32, change_at)
 
 
 def conv_program(tape_cls, steps):
@@ -62,19 +45,29 @@ def conv_program(tape_cls, steps):
         tf.keras.layers.GlobalAveragePooling2D(),
         tf.keras.layers.Dense(3),
     ])
-    optimizer = tf.keras.optimizers.Adam(1e-2)
+    return _train(tape_cls, steps, model, tf.keras.optimizers.Adam(1e-2), data, 16)
+
+
+def _train(tape_cls, steps, model, optimizer, data, size, change_at=None):
+    """The training loop of both programs, the losses read once at the end; at step
+    ``change_at`` the loss has an L2 term no trace had. Keeps the Terra run's compiled
+    functions for the test (``_compiled``)."""
     loss_fn = sparse_xent()
     losses = []
     for step in range(steps):
-        x, y = batch(data, step, 16)
+        record_stats(f"step{step}")
+        x, y = batch(data, step, size)
         with tape_cls() as tape:
             loss = loss_fn(y, model(x, training=True))
+            if step == change_at:
+                loss += 1e-2 * tf.add_n([tf.nn.l2_loss(w) for w in model.trainable_variables])
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         losses.append(loss)
     losses = [float(loss) for loss in losses]
     if tape_cls is not tf.GradientTape:
         _compiled[:] = runtime.current().lifecycle.compiled
+        record_stats("end")
     return {"losses": losses, **state(model, optimizer)}
 
 
