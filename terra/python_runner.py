@@ -269,7 +269,7 @@ class PythonRunner(TapeEvents, RegionSkips):
             outs, entries = standins.local(it, step, flat, self.visits.get(step, 0), self.seq)
             if step.dynamic and it.signature is not None:
                 it.signature.append(tuple(o._shape_tuple() for o in outs))
-            it.log.append(LoggedOp(step, inputs, entries, False))
+            it.log.append(LoggedOp(step, inputs, entries, _tape_stopped()))
             self._logged_move(step, outs)
             return outs
         specs = standins.specs(step, flat) if step.check_shapes else step.out_specs
