@@ -46,7 +46,7 @@ import itertools
 from tensorflow.python.eager import def_function
 from tensorflow.python.framework import constant_op, ops
 
-from terra import commit, regions
+from terra import commit, path, regions
 from terra.config import config
 from terra.emitter import Emitter, KeepUnrolled, NotSymbolic
 from terra.graph_ops import EXACT_OFF
@@ -167,8 +167,9 @@ def feeds_and_fetches(steps, symbolic):
     besides those it reads (read by a Python-run op; a gradient result whose shape varies),
     the phi slots each value updates, those slots by id, and the backward ops Python never
     sees."""
-    # (node, out) -> "value" (read by a Python-run op), "shape" (its shape is needed) or
-    # "fixed" (its shape is known, whatever its producer's shapes)
+    # (node, out) -> "value" (read by a Python-run op, or returned by a region with a shape
+    # that depends on data), "shape" (its shape is needed) or "fixed" (its shape is known,
+    # whatever its producer's shapes)
     wanted = {}
     graph_consumed = set()  # (node, out) of Python-run ops read by graph ops
     phi_of = {}  # emission key (Out or Read) -> the phi slots it updates
@@ -181,6 +182,9 @@ def feeds_and_fetches(steps, symbolic):
                     phi_of.setdefault(producer_key(slot.kind, p, k), []).append(id(slot))
         if step.kind is NodeKind.GRAD:
             _result_shapes(step, wanted)
+        elif step.kind is NodeKind.MARK and step.op_type == "call":
+            for returned in path.data_shaped_returns(step):  # a region Python may skip
+                wanted[returned] = "value"
         for _, (p, k) in _alts_of(step):
             if step.python and p.in_graph:
                 wanted[(p, k)] = "value"

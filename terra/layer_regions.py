@@ -51,10 +51,10 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
-from terra import runtime
+from terra import function_regions, runtime
 from terra.library_regions import attributes, changed_names, flatten_call
 from terra.location import in_user_loop, user_location
-from terra.nodes import ExtRef
+from terra.nodes import FUNCTION_TOKEN, ExtRef
 from terra.skips import Learn
 
 _EagerTensor = ops.EagerTensor
@@ -110,6 +110,7 @@ class LayerRegions:
         self.note = note  # EventLog.note
         self.depth = 0  # inside a region: nested layer calls are part of it
         self.skipped = 0
+        self.skipped_functions = 0
         self._states = weakref.WeakKeyDictionary()
 
     def call(self, rt, original, layer, args, kwargs):
@@ -121,9 +122,43 @@ class LayerRegions:
             self._region_guard(rt, layer, args, kwargs)
         if guard is None:
             return original(layer, *args, **kwargs)
+        state, before, attrs, tensors = guard
+
+        def after(err=None):  # the call ran: may a later one be skipped? (``err``: Terra's
+            if err is not None:  # own failure on the way: no more regions for the layer)
+                state.off = f"Terra error {type(err).__name__}"
+                return False
+            self._after(layer, state, before)
+            return state.off is None
+
         self.depth += 1
         try:
-            return self._region(rt, original, layer, *guard, args, kwargs)
+            return self._region(rt, lambda: original(layer, *args, **kwargs), attrs, tensors,
+                                after)
+        finally:
+            self.depth -= 1
+
+    def function(self, rt, original, name, args, kwargs):
+        """A call of one of TF's functions (``terra.function_regions``): a region of its own
+        where its arguments are tensors and plain values, else run as usual."""
+        try:
+            if rt.phase == "tracing" and rt.recorder.region_site is not None:
+                found = None  # in a gradient region (TF's gradient functions slice): its ops
+            else:
+                found = function_regions.encode(args, kwargs)
+            if found is not None and rt.phase == "coexecution" and rt.runner.it is not None \
+                    and not function_regions.marked_here(rt.runner, name):
+                found = None  # in a rolled loop's body: its ops alone
+        except Exception as err:  # noqa: BLE001 - Terra's own failure: the call runs as usual
+            rt.fail_safe(err)
+            found = None
+        if found is None:
+            return original(*args, **kwargs)
+        tensors, leaves, ints = found
+        self.depth += 1
+        try:
+            return self._region(rt, lambda: original(*args, **kwargs),
+                                (name, FUNCTION_TOKEN, leaves, None), tensors, None, ints)
         finally:
             self.depth -= 1
 
@@ -146,17 +181,23 @@ class LayerRegions:
             return None
         return None if guard is None else (state, *guard)
 
-    def _region(self, rt, original, layer, state, before, attrs, tensors, args, kwargs):
+    def _region(self, rt, run, attrs, tensors, after, ints=None):
+        """The region's call: skipped, learned or recorded. ``run()`` runs it; ``after()``
+        (None: always true) says whether its later calls may still be skipped, ``after(err)``
+        that Terra failed on the way; ``ints``: a function's integer arguments."""
         if rt.phase == "coexecution" and rt.runner.it is not None:
             stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
             at = rt.runner.cur
             try:
-                skipped = rt.runner.layer_call(attrs, tensors, stopped)
+                skipped = rt.runner.layer_call(attrs, tensors, stopped, ints)
             except Exception as why:  # noqa: BLE001 - as an op's: a call past the end of the
                 # path (a model evaluated after the loop) closes the iteration
                 skipped = why.result if rt.handle(why, at) else None
             if type(skipped) is tuple:  # skipped, or run by the replay of a fallback
-                self.skipped += 1
+                if attrs[1] == FUNCTION_TOKEN:
+                    self.skipped_functions += 1
+                else:
+                    self.skipped += 1
                 return _decode(*skipped, tensors)
             learn = skipped if type(skipped) is Learn else None
         else:
@@ -166,22 +207,25 @@ class LayerRegions:
             real = [rt.tracing_door.real(t) for t in tensors]
             record = rt.recorder.mark("call", attrs, real)
             begin, customs = len(rt.recorder.records), rt.recorder.custom_gradients
-        outputs = original(layer, *args, **kwargs)
+        outputs = run()
         found = None
         try:
-            self._after(layer, state, before)
+            on = after is None or after()
             returned, found = _encode(outputs, tensors)
             if record is not None:  # what the traces tell about the region, for the skip
                 feeds = _argument_reads(rt.recorder, begin, real)
                 # a custom gradient's backward function is Python's: no skip replays it
-                skip = state.off is None and rt.recorder.custom_gradients == customs
+                skip = on and rt.recorder.custom_gradients == customs
                 record.attrs = attrs + (found if skip else None, feeds)
-        except Exception as err:  # noqa: BLE001 - as above
+        except Exception as err:  # noqa: BLE001 - Terra's own failure: the call ran as usual
             rt.fail_safe(err)
-            state.off, returned = f"Terra error {type(err).__name__}", []
+            returned = []
+            if after is not None:
+                after(err)
             if record is not None:
                 record.attrs = attrs + (None, ())
-        if self._return(rt, returned) and learn is not None and rt.phase == "coexecution":
+        if self._return(rt, returned, attrs[1] == FUNCTION_TOKEN) and learn is not None and \
+                rt.phase == "coexecution":
             rt.runner.learn(learn, found, returned)
         return outputs
 
@@ -216,9 +260,10 @@ class LayerRegions:
             self._off(layer, state, "its call added a loss")
         state.last = after
 
-    def _return(self, rt, returned):
-        """The region's end: matched in co-execution (the per-op path), recorded in a trace."""
-        attrs = ("return",)
+    def _return(self, rt, returned, function):
+        """The region's end: matched in co-execution (the per-op path), recorded in a trace.
+        A function's ``return`` mark says so (``nodes.function_mark``)."""
+        attrs = ("return", FUNCTION_TOKEN) if function else ("return",)
         if rt.phase == "coexecution" and rt.runner.it is not None and \
                 rt.marks.coexec(lambda: rt.runner.mark("return", attrs, returned, None)):
             return True

@@ -32,11 +32,13 @@ from terra.nodes import (
     NodeKind,
     Slot,
     SlotKind,
+    function_mark,
     region_body,
     relax,
     result_map,
     result_structure,
 )
+from terra.regions import remap
 from terra.tracegraph import TraceGraph
 
 
@@ -48,11 +50,13 @@ def roll(tracegraph: TraceGraph, keep=frozenset()):
     """A copy of ``tracegraph`` with its loops rolled, or ``tracegraph`` itself if none is.
     ``keep``: loops (by their first trip's nodes, as in ``TraceGraph.trips``) left unrolled.
     Returns ``(graph, {LOOP node: its first trip's nodes})``."""
-    graph, loops, clone = tracegraph, {}, {}
+    graph, clone = _without_function_marks(tracegraph, keep)
+    loops = {}
     for first, trips in tracegraph.trips.items():
         if first in keep:
             continue
-        chains = {t: tuple(clone.get(n, n) for n in chain) for t, chain in trips.items()}
+        chains = {t: tuple(clone.get(n, n) for n in chain if not function_mark(n))
+                  for t, chain in trips.items()}
         present = set(graph.nodes)
         if any(n not in present for chain in chains.values() for n in chain):
             continue  # some of its nodes were rolled into another loop
@@ -65,6 +69,49 @@ def roll(tracegraph: TraceGraph, keep=frozenset()):
         loops = {step.get(k, k): v for k, v in loops.items()}
         loops[rolled.head] = first
     return graph, loops
+
+
+def _without_function_marks(graph, keep):
+    """A copy of ``graph`` without the marks of TF functions' regions
+    (``terra.function_regions``) in the trips of loops that may roll (their trip counts
+    differ; not in ``keep``), and the old node -> copy map; ``graph`` itself and an empty map
+    if there are none. Marks would keep a loop from rolling (``x[:, t]``'s call marks differ
+    by ``t``); without them the calls run op by op in the loop, their ``t`` a per-trip feed
+    (``function_regions.marked_here``)."""
+    marks = set()
+    for first, trips in graph.trips.items():
+        c = _contiguous(trips)
+        if first not in keep and _peeled(c) < len(c):
+            marks.update(n for chain in c for n in chain if function_mark(n))
+    if not marks:
+        return graph, {}
+    new, clone = graph.copy_without(marks)
+    new.start, new.end = clone[graph.start], clone[graph.end]
+    for old, node in clone.items():
+        remap(old, node, clone, lambda n, out: (clone[n], out))
+
+    def targets(s):  # where an edge into ``s`` leads once the marks are gone
+        return [clone[s]] if s not in marks else [t for x in s.succs for t in targets(x)]
+
+    for old in graph.nodes:
+        if old not in marks:
+            for s in old.succs:
+                for t in targets(s):
+                    TraceGraph.link(clone[old], t)
+    new.set_nodes([clone[n] for n in graph.nodes if n in clone])
+    return new, clone
+
+
+def _ends(c):
+    """The trip counts the traces took, of contiguous trip chains ``c``."""
+    return [t + 1 for t in range(len(c))
+            if any(t + 1 == len(c) or s is not c[t + 1][0] for s in c[t][-1].succs)]
+
+
+def _peeled(c):
+    """How many trips every trace ran (the first trip count), of trip chains ``c``."""
+    ends = _ends(c)
+    return ends[0] if ends else len(c)
 
 
 def _contiguous(trips):
@@ -81,9 +128,8 @@ class _Rolling:
         self.graph, self.key = graph, key
         c = self.c = _contiguous(trips)
         m = len(c[0])
-        ends = [t + 1 for t in range(len(c))
-                if any(t + 1 == len(c) or s is not c[t + 1][0] for s in c[t][-1].succs)]
-        p = self.p = ends[0] if ends else len(c)
+        ends = _ends(c)
+        p = self.p = _peeled(c)
         if p >= len(c):
             raise _NotRollable("every trace ran the same trips")  # unrolled (the paper too)
         if any(n.kind is not NodeKind.OP for n in c[p]):

@@ -340,3 +340,12 @@ def result_map(region, kept):
     ``kept``, for regions of one call made one."""
     return {part: part_kept for r, r_kept in zip(region.results, kept.results, strict=True)
             for part, part_kept in zip((r or ())[1:], (r_kept or ())[1:]) if part is not None}
+
+
+FUNCTION_TOKEN = "fn"  # a TF function's marks (``terra.function_regions``) carry it second
+
+
+def function_mark(n) -> bool:
+    """Whether ``n`` is a ``call`` or ``return`` mark of a TF function's region
+    (``terra.function_regions``): marks a loop's trips may hold and a While drops."""
+    return n.kind is NodeKind.MARK and len(n.attrs) > 1 and n.attrs[1] == FUNCTION_TOKEN

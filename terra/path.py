@@ -11,6 +11,7 @@ steps and the executed location (``terra.location.Sites``) of the op being issue
 from terra import opdefs
 from terra.divergence import OffPath, PathEnded
 from terra.nodes import NodeKind, SlotKind
+from terra.plan import shape_fn_decides
 
 
 def branch(successors, kind, op_type, fits, twin, sites, log):
@@ -81,18 +82,21 @@ def skippable(call):
 
 def skippable_layer(call):
     """The steps from a layer call's ``call`` mark to its ``return`` mark, if Python may skip
-    them all and take stand-ins for what the call returned (``terra.layer_regions``): as for
-    :func:`skippable`, but the region's ops may read the call's tensor arguments, which Python
-    feeds (``feeds``: (op index, input, argument) from the call mark's attrs), and other
-    values Python feeds (the sizes Keras computes from static shapes: fed as a call with the
-    same input shapes fed them, ``skips.Skip.learned``), and the graph
-    may fetch what the call returned (Python reads it after the call) but nothing else; no
-    output shape depends on data (the stand-ins' shapes are the recorded ones, or those a
-    call with the same input shapes returned: ``skips.Skip.fixed``). None otherwise."""
+    them all and take stand-ins for what the call returned (``terra.layer_regions``,
+    ``terra.function_regions``): as for :func:`skippable`, but the region's ops may read the
+    call's tensor arguments, which Python feeds (``feeds``: (op index, input, argument) from
+    the call mark's attrs), and other values Python feeds (the sizes Keras computes from
+    static shapes: fed as a call with the same input shapes fed them,
+    ``skips.Skip.learned``); the graph may fetch what the call returned (Python reads it
+    after the call) and, for their shapes alone, the outputs of ops whose shapes depend on
+    data, but nothing else. What it returned of such shapes (:func:`data_shaped_returns`)
+    must be fetched: Python takes its value; the other stand-ins' shapes are the recorded
+    ones, or those a call with the same input shapes returned (``skips.Skip.fixed``). None
+    otherwise."""
     template, feeds = call.attrs[-2:]
     if call.looped or template is None:
         return None
-    found = _to_return(call, lambda s: s.dynamic)
+    found = _to_return(call, lambda s: False)
     if found is None:
         return None
     steps, s = found
@@ -101,12 +105,50 @@ def skippable_layer(call):
     if None in returned:
         return None
     for step in steps:
-        if any(channel is not None and (step.node, k) not in returned
-               for k, channel in enumerate(step.fetch)):
+        if any(channel is not None and (step.node, k) not in returned and
+               not _shape_only(step) for k, channel in enumerate(step.fetch)):
             return None
         if any(slot.kind is SlotKind.RESOURCE for slot in step.slots):
             return None
+    step_of = {step.node: step for step in steps}
+    # a local step's value is Python's to compute (``folding``): only the per-op path does
+    if any(step_of[node].local is not None for node, _ in returned) or \
+            any(step_of[node].fetch[k] is None for node, k in data_shaped_returns(call)):
+        return None
     return steps + [s]
+
+
+def data_shaped_returns(call):
+    """The outputs ``(node, out)`` a layer or function call's region returned (its ``call``
+    mark: six attrs, the template and feeds last) whose shapes depend on data within it: of
+    an op whose shape function cannot give them (a ``Where``) or seen to vary with equal
+    input shapes, or read from such an op inside the region (a ``tf.boolean_mask``'s
+    ``Gather``). The graph fetches them (``graph_builder.feeds_and_fetches``; after emission
+    the steps it found dynamic count too: a skip then needs their fetch as well)."""
+    if len(call.attrs) != 6 or call.attrs[-2] is None or call.looped:
+        return []
+    found = _to_return(call, lambda s: False)
+    if found is None:
+        return []
+    steps, end = found
+    tainted = data_tainted(steps)
+    region = {step.node for step in steps}
+    return [r for r in (returned_by(slot, region) for slot in end.slots)
+            if r is not None and r[0] in tainted]
+
+
+def data_tainted(steps):
+    """The nodes of a region's ``steps`` whose output shapes depend on data: see
+    :func:`data_shaped_returns`."""
+    tainted = set()
+    for step in steps:
+        node = step.node
+        if step.dynamic or node.data_dependent or any(
+                p in tainted for slot in step.slots
+                if slot.kind in (SlotKind.NODE, SlotKind.SAME) for p, _ in slot.alts) or \
+                not shape_fn_decides(node):  # (scratch shape inference: last)
+            tainted.add(node)
+    return tainted
 
 
 def _to_return(call, refused):

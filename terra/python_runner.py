@@ -111,6 +111,7 @@ class PythonRunner(TapeEvents, RegionSkips):
         # (a layer call's mark, its input shapes) -> the specs of what it returned, learned
         # where the call ran op by op with those shapes (skips.RegionSkips.learn)
         self._learned = {}
+        self._n_learned = {}  # per call mark: the keys in _learned
         # a step -> the lanes.Lane into its one successor, or False (the general path only)
         self._lanes = {}
         # the inputs external values are read again from (a "same" slot's alternatives)

@@ -94,12 +94,7 @@ def _copy(graph, groups):
         return clone[node], out
 
     for old, node in clone.items():
-        node.inputs = [_mapped(slot, out_of) for slot in old.inputs]
-        if node.kind is NodeKind.GRAD:
-            node.results = [None if r is None else (r[0],) + tuple(
-                None if q is None else out_of(*q) for q in r[1:]) for r in old.results]
-            node.cone = {(None if n is None else clone[n], k): (kind, *out_of(p, out))
-                         for (n, k), (kind, p, out) in old.cone.items()}
+        remap(old, node, clone, out_of)
     for nodes in groups:
         head = clone[nodes[0]]
         head.rolled = ("fold", nodes[0].id)
@@ -120,6 +115,18 @@ def _copy(graph, groups):
                 TraceGraph.link(a, b)
     new.set_nodes([clone[n] for n in graph.nodes if n in clone])
     return new
+
+
+def remap(old, node, clone, out_of):
+    """``node``, the copy of ``old`` in a transformed copy of a graph (``clone``: old node ->
+    copy), reads where ``out_of(node, out)`` says: its inputs, and a gradient region's results
+    and cone."""
+    node.inputs = [_mapped(slot, out_of) for slot in old.inputs]
+    if node.kind is NodeKind.GRAD:
+        node.results = [None if r is None else (r[0],) + tuple(
+            None if q is None else out_of(*q) for q in r[1:]) for r in old.results]
+        node.cone = {(None if n is None else clone[n], k): (kind, *out_of(p, out))
+                     for (n, k), (kind, p, out) in old.cone.items()}
 
 
 def _mapped(slot, out_of):

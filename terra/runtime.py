@@ -31,6 +31,7 @@ from tensorflow.python.framework import errors
 
 from terra import (
     events,
+    function_regions,
     hooks,
     interception,
     layer_regions,
@@ -70,6 +71,7 @@ class Stats:
     graph_idle: float = 0.0  # seconds the GraphRunner waited for the next iteration
     skipped_calls: int = 0  # library calls (optimizer updates) the skeleton skipped
     skipped_layer_calls: int = 0  # Keras layer calls the skeleton skipped (layer_regions)
+    skipped_function_calls: int = 0  # TF function calls it skipped (function_regions)
     verified: int = 0  # iterations verify mode ran again eagerly and compared (terra.verify)
     verify_differences: int = 0  # values and variables they found differing from eager's
     verify_time: float = 0.0  # seconds verify mode took (not booked to Terra's ledger)
@@ -116,6 +118,7 @@ class Runtime(Exits):
         self.verifier = verify.Verifier(self.stats)
         library_regions.install()
         layer_regions.install()
+        function_regions.install()
         hooks.install()
         interception.install()
         interception.set_handler(self.tracing_door)
@@ -327,6 +330,7 @@ class Runtime(Exits):
             s.snapshots += self._graph_runner.snapshots
         s.skipped_calls = self.regions.skipped
         s.skipped_layer_calls = self.layers.skipped
+        s.skipped_function_calls = self.layers.skipped_functions
         self._clocks.add(s)  # the iteration under way
         s.plain_tapes = events.plain_tape_count()
         return s

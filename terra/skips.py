@@ -14,9 +14,12 @@ from tensorflow.python.framework import ops
 from terra import path
 from terra.divergence import Divergence, GraphFailed, OffPath
 from terra.fallback import LoggedMark, LoggedSkip
-from terra.nodes import NodeKind, SlotKind
+from terra.nodes import FUNCTION_TOKEN, NodeKind, SlotKind
 
 _EagerTensor = ops.EagerTensor
+# input shapes (and a function's integer arguments) learned per region at most: a loop's
+# ``labels[step]`` brings a new value every step, each learned in vain
+MAX_LEARNED = 64
 
 
 class Skip:
@@ -26,7 +29,8 @@ class Skip:
     [(output, position)]), and whether their shapes are ``fixed`` (the recorded ones, for
     the one input shape signature the traces had; else they are learned per signature)."""
 
-    __slots__ = ("steps", "sweep", "joins", "returned", "n_returned", "feeds", "fixed")
+    __slots__ = ("steps", "sweep", "joins", "returned", "n_returned", "feeds", "fixed",
+                 "fetched")
 
     def __init__(self, call, steps, step_of, args=frozenset()):
         self.steps = steps
@@ -35,16 +39,23 @@ class Skip:
                       if slot.kind is SlotKind.NODE and len(slot.alts) > 1]
         self.returned = {}
         region = {s.node for s in steps}
+        # what it returned of shapes that depend on data: fetched, by position
+        by_data = set(path.data_shaped_returns(call))
+        self.fetched = set()
         for position, slot in enumerate(end.slots):
             node, out = path.returned_by(slot, region)
             self.returned.setdefault(step_of[node], []).append((out, position))
+            if (node, out) in by_data:
+                self.fetched.add(position)
         self.n_returned = len(end.slots)
         # the inputs of its ops Python feeds other than the call's arguments (``args``):
         # values a layer's Python computed, learned per input shapes
         self.feeds = [(j, k) for j, s in enumerate(steps[:-1]) for k, slot in enumerate(s.slots)
                       if slot.kind is SlotKind.FEED and (j, k) not in args]
+        # the ops whose shapes follow data give only fetched values: no reason to learn
+        tainted = path.data_tainted(steps[:-1])
         self.fixed = len(call.node.sigs) == 1 and not self.feeds and \
-            not any(s.check_shapes for s in steps)
+            not any(s.check_shapes and s.node not in tainted for s in steps)
         self.sweep = call.puts is None and end.next != [None] and \
             all(s.puts is None and not s.has_fetch for s in steps)
 
@@ -77,7 +88,7 @@ class RegionSkips:
             raise
         return True
 
-    def layer_call(self, attrs, tensors, stopped):
+    def layer_call(self, attrs, tensors, stopped, ints=None):
         """A Keras layer's call begins (``terra.layer_regions``): match its ``call`` mark (on
         ``attrs``; what the traces found it returned and read is in the mark's last two)
         and, if the plan runs the region straight through (``path.skippable_layer``) for
@@ -98,12 +109,20 @@ class RegionSkips:
         learned = None
         if skip is not None:
             key = tuple(t._shape_tuple() for t in tensors)
-            learned = ((key in step.node.sigs or None) and _RECORDED) if skip.fixed else \
-                self._learned.get((step, key))
+            if ints is not None:  # a TF function's: learned per shapes and integer arguments
+                key = (key, ints)
+                learned = self._learned.get((step, key))
+            elif skip.fixed:
+                learned = (key in step.node.sigs or None) and _RECORDED
+            else:
+                learned = self._learned.get((step, key))
         if learned is None or not learned.confirmed:
             it.log.append(LoggedMark(step, inputs, None))
             self._logged_move(step, None)
-            return False if skip is None or skip.fixed else Learn(it, step, key, skip)
+            if skip is None or skip.fixed and ints is None or \
+                    self._n_learned.get(step, 0) >= MAX_LEARNED:
+                return False
+            return Learn(it, step, key, skip)
         fed = {(j, k): self.checks.argument(it, skip.steps[j], k, tensors[a])
                for j, k, a in step.attrs[-1]}
         for (j, k), value in learned.feeds.items():
@@ -138,10 +157,16 @@ class RegionSkips:
                 len(it.log) < n or any(logged.step is not s for logged, s in
                                        zip(it.log[-n:], skip.steps, strict=True)):
             return
-        seen = Learned(tuple((t._shape_tuple(), t._datatype_enum()) for t in returned),
+        seen = Learned(tuple(None if i in skip.fetched else (t._shape_tuple(), t._datatype_enum())
+                             for i, t in enumerate(returned)),
                        {(j, k): it.log[j - n].inputs[k] for j, k in skip.feeds})
         known = self._learned.get((learn.call, learn.key))
-        seen.confirmed = known is not None and known.same(seen)
+        if known is None:
+            self._n_learned[learn.call] = self._n_learned.get(learn.call, 0) + 1
+        # a TF function's output shapes and fed values follow from its validated ops, its
+        # input shapes and its arguments, all in the key: one call shows them
+        seen.confirmed = learn.call.attrs[1] == FUNCTION_TOKEN or \
+            known is not None and known.same(seen)
         self._learned[(learn.call, learn.key)] = seen
 
     def _skip_of(self, call, skippable, args=frozenset()):
@@ -162,7 +187,7 @@ class RegionSkips:
         if skip.sweep:  # what _move does, for steps that fetch, select and end nothing
             for s, outs in skip.returned.items():
                 for out, position in outs:
-                    flat[position] = self._returned(s, out, position, specs)
+                    flat[position] = self._returned(s, out, position, specs, skip.fetched)
             seqs, seq = self.seqs, self.seq
             for s in skip.steps:
                 seqs[s] = seq
@@ -173,15 +198,20 @@ class RegionSkips:
                 if self.cur.puts is not None:
                     self._take(self.cur, 0)
                 for out, position in skip.returned.get(s, ()):
-                    flat[position] = self._returned(s, out, position, specs)
+                    flat[position] = self._returned(s, out, position, specs, skip.fetched)
                 self._move(s)
         took, last_of = self.it.took, self.checks.last_of
         for slot in skip.joins:  # the one that ran last, as the graph selects it
             took[slot] = last_of(slot.alts)
 
-    def _returned(self, step, out, position, specs):
+    def _returned(self, step, out, position, specs, fetched):
         """The stand-in for output ``out`` of ``step``, returned by a skipped call at
-        ``position``: of the learned spec, else as for a skipped backward op."""
+        ``position``: the fetched value where its shape depends on data (``fetched``
+        positions), else of the learned spec, else as for a skipped backward op."""
+        if position in fetched:
+            _, entries = self.standins.make(self.it, step, (step.out_specs[out],),
+                                            self.visits.get(step, 0), self.seq, out)
+            return self._fetched(entries[0])
         if specs is None:
             return self._result(step.node, out)
         outs, _ = self.standins.make(self.it, step, (specs[position],),

@@ -20,6 +20,7 @@ from terra.nodes import (
     SlotKind,
     TraceNode,
     VarRef,
+    function_mark,
     match_key,
     relax,
 )
@@ -94,23 +95,29 @@ class TraceGraph:
 
     def _count_repeats(self, records):
         """Note, per user line, how many times the ops issued there ran in this trace: the
-        largest occurrence of any call stack at that line (gradient bodies aside: they share
-        their call's site)."""
-        trips = {}
+        largest count of ops of one call stack at that line (gradient bodies aside: they
+        share their call's site; marks too: a function region's share its op's stack)."""
+        per_stack = {}
         i = 0
         while i < len(records):
             rec = records[i]
             if rec.kind is NodeKind.OP and rec.site is not None and rec.location is not None:
-                trips[rec.location] = max(trips.get(rec.location, 0), rec.site[1] + 1)
+                key = (rec.location, rec.site[0])
+                per_stack[key] = per_stack.get(key, 0) + 1
             i += 1 + (rec.body_len if rec.kind is NodeKind.GRAD else 0)
+        trips = {}
+        for (location, _), n in per_stack.items():
+            trips[location] = max(trips.get(location, 0), n)
         for location in self.repeats.keys() | trips.keys():
             self.repeats.setdefault(location, set()).add(trips.get(location, 0))
 
     def _note_trips(self, path):
         """Find the loops in one trace's path: runs of ops whose call stacks and types repeat
-        with a period (:func:`periodic_runs`); note the nodes of each trip."""
-        keys = [n.stack_key if n.kind is NodeKind.OP and not n.in_body and n.site else object()
-                for n in path]
+        with a period (:func:`periodic_runs`); note the nodes of each trip. A function
+        region's marks repeat by the function alone (``x[:, t]``'s ``t`` differs per trip:
+        ``loops`` drops them where it rolls the loop)."""
+        keys = [n.stack_key if n.kind is NodeKind.OP and not n.in_body and n.site else
+                ("fn", n.op_type, n.attrs[0]) if function_mark(n) else object() for n in path]
         for start, period, count in periodic_runs(keys):
             chains = [tuple(path[start + t * period:start + (t + 1) * period])
                       for t in range(count)]
