@@ -31,7 +31,7 @@ from terra.nodes import SlotKind
 # Deterministic ops with integer or type attributes only, whose eager kernel computes what
 # the graph's does: shape arithmetic. Floating-point ops are left out (their rounding is the
 # graph's business), and so are random and stateful ops.
-_FOLDABLE = frozenset({
+FOLDABLE = frozenset({
     "StridedSlice", "Slice", "Pack", "Unpack", "ConcatV2", "GatherV2", "Reshape", "Squeeze",
     "ExpandDims", "Cast", "Identity", "Shape", "Size", "Rank", "Range", "Fill", "Prod", "Sum",
     "Add", "AddV2", "Sub", "Mul", "FloorDiv", "FloorMod", "Maximum", "Minimum", "Neg",
@@ -78,7 +78,7 @@ def static_value(t, memo):
 
 
 def _foldable(op):
-    return op.type in _FOLDABLE and not op.control_inputs and \
+    return op.type in FOLDABLE and not op.control_inputs and \
         all(x.dtype in _INTEGRAL for x in (*op.inputs, *op.outputs)) and \
         all(x.shape.num_elements() is not None and x.shape.num_elements() <= MAX_ELEMENTS
             for x in (*op.inputs, *op.outputs))
@@ -88,7 +88,7 @@ def local_op(op):
     """Whether graph op ``op`` is one Python may run itself on its inputs' values (a shape
     read, or shape arithmetic on integers): then its attrs as eager execution takes them,
     else None. Whether its inputs are Python's to have is the emitter's to say."""
-    if op.type not in _FOLDABLE and op.type not in SHAPE_OF or op.control_inputs or \
+    if op.type not in FOLDABLE and op.type not in SHAPE_OF or op.control_inputs or \
             any(x.dtype not in _INTEGRAL for x in op.outputs):
         return None
     if op.type in SHAPE_OF:

@@ -8,7 +8,7 @@ pure functions of the successors, the op being matched, the iteration's log of m
 steps and the executed location (``terra.location.Sites``) of the op being issued.
 """
 
-from terra import opdefs
+from terra import folding, opdefs
 from terra.divergence import OffPath, PathEnded
 from terra.nodes import NodeKind, SlotKind
 from terra.plan import shape_fn_decides
@@ -139,14 +139,27 @@ def data_shaped_returns(call):
 
 def data_tainted(steps):
     """The nodes of a region's ``steps`` whose output shapes depend on data: see
-    :func:`data_shaped_returns`."""
-    tainted = set()
+    :func:`data_shaped_returns`. An op whose shape function leaves a dimension unknown
+    taints unless what it lacks is the value of integer inputs that are constants, values
+    Python feeds, or shape arithmetic inside the region (a ``Tile``'s multiples computed
+    from shapes, as Keras' upsampling does): a ``Where`` always taints, a ``Range`` to a
+    count read from data does."""
+    tainted, arithmetic = set(), set()
     for step in steps:
         node = step.node
-        if step.dynamic or node.data_dependent or any(
-                p in tainted for slot in step.slots
-                if slot.kind in (SlotKind.NODE, SlotKind.SAME) for p, _ in slot.alts) or \
-                not shape_fn_decides(node):  # (scratch shape inference: last)
+        inputs = [[p for p, _ in slot.alts] if slot.kind in (SlotKind.NODE, SlotKind.SAME)
+                  else None for slot in step.slots]
+        if step.dynamic or node.data_dependent or \
+                any(p in tainted for ps in inputs if ps for p in ps):
+            tainted.add(node)
+            continue
+        if node.op_type in folding.SHAPE_OF or node.op_type in folding.FOLDABLE and all(
+                ps is None or all(p in arithmetic for p in ps) for ps in inputs):
+            arithmetic.add(node)  # integers from shapes and constants: no data in them
+        if not shape_fn_decides(node) and not (
+                node.op_type in folding.VALUE_SHAPED and
+                all(inputs[i] is None or all(p in arithmetic for p in inputs[i])
+                    for i in folding.VALUE_SHAPED[node.op_type] if i < len(inputs))):
             tainted.add(node)
     return tainted
 
