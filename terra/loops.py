@@ -89,6 +89,11 @@ def _without_function_marks(graph, keep):
     new.start, new.end = clone[graph.start], clone[graph.end]
     for old, node in clone.items():
         remap(old, node, clone, lambda n, out: (clone[n], out))
+        if node.kind is NodeKind.GRAD:  # backward values by what was fed before the call
+            node.observations = [
+                ([(clone[n], k, part) for n, k, part in before if n in clone],
+                 {(clone[n], k): v for (n, k), v in body.items()})
+                for before, body in old.observations]
 
     def targets(s):  # where an edge into ``s`` leads once the marks are gone
         return [clone[s]] if s not in marks else [t for x in s.succs for t in targets(x)]

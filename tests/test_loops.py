@@ -8,8 +8,8 @@ from test_tracegraph import at, ext, figure_3_2_trace, op_at
 
 from terra.case_assignment import assign_cases
 from terra.loops import roll
-from terra.nodes import NodeKind, OpRef, SlotKind, VarRef
-from terra.trace import periodic_runs
+from terra.nodes import FUNCTION_TOKEN, NodeKind, OpRef, SlotKind, VarRef
+from terra.trace import OpRecord, periodic_runs
 from terra.tracegraph import TraceGraph
 
 
@@ -101,3 +101,41 @@ def test_a_trip_reading_two_trips_back_stays_unrolled():
 
     g = merged(trace(2), trace(4))
     assert g.trips and roll(g) == (g, {})
+
+
+def sliced_loop_trace(trips):
+    """``y = Neg(x)``; ``for t in range(trips): y = Op4(y[t])``, the slice a TF function's
+    region (``terra.function_regions``): a call mark (its integer ``t`` is no attr), the op, a
+    return mark, numbered on one call stack as ``terra.location`` numbers them; ``Exp(y)``."""
+    def mark(where, what, attrs, producer):
+        rec = OpRecord(NodeKind.MARK, what, attrs, [OpRef(producer, 0)], (), None)
+        rec.location, rec.site = where
+        return rec
+
+    call = ("Tensor.__getitem__", FUNCTION_TOKEN, (("tuple", ("t", "i")), ()), None,
+            ("t",), ())
+    recs = [op_at(at(1), "Neg", ext(np.ones((4, 3))))]
+    last = 0
+    for t in range(trips):
+        recs.append(mark(at(2, 3 * t), "call", call, last))
+        recs.append(op_at(at(2, 3 * t + 1), "Op4", OpRef(last, 0)))
+        last = len(recs) - 1
+        recs.append(mark(at(2, 3 * t + 2), "return", ("return", FUNCTION_TOKEN), last))
+    recs.append(op_at(at(3), "Exp", OpRef(last, 0)))
+    return recs
+
+
+def test_a_loop_whose_trips_hold_function_marks_rolls_without_them():
+    g = merged(sliced_loop_trace(2), sliced_loop_trace(4))
+    rolled, loops = roll(g)
+    rolled.lint()
+    [loop] = loops
+    assert loop.body_len == 1 and loop.peeled == 2, loop.format()
+    # the While's body is the slice's op alone; the peeled trips lost their marks too
+    assert not any(n.kind is NodeKind.MARK and n.op_type in ("call", "return")
+                   for n in rolled.nodes), str(rolled)
+    # the TraceGraph keeps them for later merges
+    assert sum(n.op_type == "call" for n in g.nodes) == 4, str(g)
+    # a loop that ran the same trips in every trace is not rolled and keeps its marks
+    same = merged(sliced_loop_trace(3), sliced_loop_trace(3))
+    assert roll(same) == (same, {})
