@@ -75,8 +75,8 @@ def _without_function_marks(graph, keep):
     """A copy of ``graph`` without the marks of TF functions' regions
     (``terra.function_regions``) in the trips of loops that may roll (their trip counts
     differ; not in ``keep``), and the old node -> copy map; ``graph`` itself and an empty map
-    if there are none. Marks would keep a loop from rolling (``x[:, t]``'s call marks differ
-    by ``t``); without them the calls run op by op in the loop, their ``t`` a per-trip feed
+    if there are none. Marks would keep a loop from rolling (a While's body is ops); without
+    them the calls run op by op in the loop, ``x[:, t]``'s ``t`` a per-trip feed
     (``function_regions.marked_here``)."""
     marks = set()
     for first, trips in graph.trips.items():

@@ -114,8 +114,8 @@ class TraceGraph:
     def _note_trips(self, path):
         """Find the loops in one trace's path: runs of ops whose call stacks and types repeat
         with a period (:func:`periodic_runs`); note the nodes of each trip. A function
-        region's marks repeat by the function alone (``x[:, t]``'s ``t`` differs per trip:
-        ``loops`` drops them where it rolls the loop)."""
+        region's marks repeat by the function alone (their arguments may differ per trip;
+        ``loops`` drops the marks where it rolls the loop)."""
         keys = [n.stack_key if n.kind is NodeKind.OP and not n.in_body and n.site else
                 ("fn", n.op_type, n.attrs[0]) if function_mark(n) else object() for n in path]
         for start, period, count in periodic_runs(keys):
