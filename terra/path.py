@@ -131,34 +131,40 @@ def data_shaped_returns(call):
     if found is None:
         return []
     steps, end = found
-    tainted = data_tainted(steps)
+    tainted = data_tainted(call, steps)
     region = {step.node for step in steps}
     return [r for r in (returned_by(slot, region) for slot in end.slots)
             if r is not None and r[0] in tainted]
 
 
-def data_tainted(steps):
-    """The nodes of a region's ``steps`` whose output shapes depend on data: see
-    :func:`data_shaped_returns`. An op whose shape function leaves a dimension unknown
-    taints unless what it lacks is the value of integer inputs that are constants, values
-    Python feeds, or shape arithmetic inside the region (a ``Tile``'s multiples computed
-    from shapes, as Keras' upsampling does): a ``Where`` always taints, a ``Range`` to a
-    count read from data does."""
+def data_tainted(call, steps):
+    """The nodes of the region's ``steps`` (after ``call``, its mark) whose output shapes
+    depend on data: see :func:`data_shaped_returns`. An op whose shape function leaves a
+    dimension unknown taints unless what it lacks is the value of integer inputs that are
+    constants, values Python feeds, or shape arithmetic inside the region (a ``Tile``'s
+    multiples computed from shapes, as Keras' upsampling does): a ``Where`` always taints,
+    a ``Range`` to a count read from data does, and so does a value read from one of the
+    call's tensor arguments that the traces saw vary (``x[:, :k]`` with ``k`` a tensor: its
+    value is data; one value in every trace is a constant the skip checks)."""
+    reads = {(j, k) for j, k, _ in call.attrs[-1]} if len(call.attrs) == 6 else set()
     tainted, arithmetic = set(), set()
-    for step in steps:
+    for j, step in enumerate(steps):
         node = step.node
-        inputs = [[p for p, _ in slot.alts] if slot.kind in (SlotKind.NODE, SlotKind.SAME)
-                  else None for slot in step.slots]
+        inputs = ["argument" if (j, k) in reads and slot.kind is SlotKind.FEED else
+                  [p for p, _ in slot.alts] if slot.kind in (SlotKind.NODE, SlotKind.SAME)
+                  else None for k, slot in enumerate(step.slots)]
         if step.dynamic or node.data_dependent or \
-                any(p in tainted for ps in inputs if ps for p in ps):
+                any(p in tainted for ps in inputs if type(ps) is list for p in ps):
             tainted.add(node)
             continue
         if node.op_type in folding.SHAPE_OF or node.op_type in folding.FOLDABLE and all(
-                ps is None or all(p in arithmetic for p in ps) for ps in inputs):
+                ps is None or type(ps) is list and all(p in arithmetic for p in ps)
+                for ps in inputs):
             arithmetic.add(node)  # integers from shapes and constants: no data in them
         if not shape_fn_decides(node) and not (
                 node.op_type in folding.VALUE_SHAPED and
-                all(inputs[i] is None or all(p in arithmetic for p in inputs[i])
+                all(inputs[i] is None or type(inputs[i]) is list and
+                    all(p in arithmetic for p in inputs[i])
                     for i in folding.VALUE_SHAPED[node.op_type] if i < len(inputs))):
             tainted.add(node)
     return tainted

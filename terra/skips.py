@@ -53,7 +53,7 @@ class Skip:
         self.feeds = [(j, k) for j, s in enumerate(steps[:-1]) for k, slot in enumerate(s.slots)
                       if slot.kind is SlotKind.FEED and (j, k) not in args]
         # the ops whose shapes follow data give only fetched values: no reason to learn
-        tainted = path.data_tainted(steps[:-1])
+        tainted = path.data_tainted(call, steps[:-1])
         self.fixed = len(call.node.sigs) == 1 and not self.feeds and \
             not any(s.check_shapes and s.node not in tainted for s in steps)
         self.sweep = call.puts is None and end.next != [None] and \

@@ -127,3 +127,30 @@ def _indexed_by_step(tape_cls, steps):
 def test_an_index_new_every_step_is_fed_not_a_new_path():
     assert_same_as_eager(_indexed_by_step, 16, max_traces=3, expect_fallbacks=(0, 1),
                          min_coexecuted=10)
+
+
+def _bound_is_a_tensor(tape_cls, steps):
+    """``x[:, :k]`` with ``k`` a tensor whose value changes, the input shapes alike: the
+    slice's output shape follows a value, not a shape."""
+    rng = np.random.default_rng(0)
+    w = tf.Variable(tf.random.stateless_normal((6, 1), seed=(5, 6)))
+    losses, widths = [], []
+    for step in range(steps):
+        x = tf.constant(rng.normal(size=(4, 6)).astype(np.float32))
+        # the traces see 7 and 8, clipped alike to the 6 columns (the same shapes): the
+        # value varies, the shapes do not, until it drops to 2 and 3
+        k = tf.constant(7 + step % 2 if step < 10 else 2 + step % 2)
+        with tape_cls() as tape:
+            part = x[:, :k]
+            widths.append(int(part.shape[1]))
+            loss = tf.reduce_sum(tf.matmul(part, w[:k])) / tf.cast(part.shape[1], tf.float32)
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+        losses.append(float(loss))
+    return {"losses": losses, "widths": widths, "w": w.numpy()}
+
+
+def test_a_slice_bound_given_as_a_tensor_keeps_eagers_shapes():
+    # the bound's value is data to the region: what the slice returned is fetched, never a
+    # stand-in of a shape learned for another value
+    assert_same_as_eager(_bound_is_a_tensor, 18, max_traces=4, expect_fallbacks=(0, 3),
+                         min_coexecuted=6)
