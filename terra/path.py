@@ -111,9 +111,10 @@ def skippable_layer(call):
         if any(slot.kind is SlotKind.RESOURCE for slot in step.slots):
             return None
     step_of = {step.node: step for step in steps}
+    tainted = data_tainted(call, steps)
     # a local step's value is Python's to compute (``folding``): only the per-op path does
-    if any(step_of[node].local is not None for node, _ in returned) or \
-            any(step_of[node].fetch[k] is None for node, k in data_shaped_returns(call)):
+    if any(step_of[node].local is not None or node in tainted and step_of[node].fetch[k] is None
+           for node, k in returned):
         return None
     return steps + [s]
 
@@ -137,6 +138,13 @@ def data_shaped_returns(call):
             if r is not None and r[0] in tainted]
 
 
+def argument_reads(call):
+    """The (op index, input) pairs of a layer or function call's region that read one of
+    the call's tensor arguments (its ``call`` mark: six attrs, the argument reads last;
+    ``layer_regions._argument_reads``); none for a library call's."""
+    return {(j, k) for j, k, _ in call.attrs[-1]} if len(call.attrs) == 6 else set()
+
+
 def data_tainted(call, steps):
     """The nodes of the region's ``steps`` (after ``call``, its mark) whose output shapes
     depend on data: see :func:`data_shaped_returns`. An op whose shape function leaves a
@@ -146,7 +154,7 @@ def data_tainted(call, steps):
     a ``Range`` to a count read from data does, and so does a value read from one of the
     call's tensor arguments that the traces saw vary (``x[:, :k]`` with ``k`` a tensor: its
     value is data; one value in every trace is a constant the skip checks)."""
-    reads = {(j, k) for j, k, _ in call.attrs[-1]} if len(call.attrs) == 6 else set()
+    reads = argument_reads(call)
     tainted, arithmetic = set(), set()
     for j, step in enumerate(steps):
         node = step.node

@@ -32,28 +32,28 @@ class Skip:
     __slots__ = ("steps", "sweep", "joins", "returned", "n_returned", "feeds", "fixed",
                  "fetched")
 
-    def __init__(self, call, steps, step_of, args=frozenset()):
+    def __init__(self, call, steps, step_of):
         self.steps = steps
         end = steps[-1]
         self.joins = [slot for s in steps for slot in s.slots
                       if slot.kind is SlotKind.NODE and len(slot.alts) > 1]
         self.returned = {}
         region = {s.node for s in steps}
-        # what it returned of shapes that depend on data: fetched, by position
-        by_data = set(path.data_shaped_returns(call))
+        # the ops whose shapes follow data: what it returned of them is fetched (by
+        # position), and they are no reason to learn
+        tainted = path.data_tainted(call, steps[:-1])
         self.fetched = set()
         for position, slot in enumerate(end.slots):
             node, out = path.returned_by(slot, region)
             self.returned.setdefault(step_of[node], []).append((out, position))
-            if (node, out) in by_data:
+            if node in tainted:
                 self.fetched.add(position)
         self.n_returned = len(end.slots)
-        # the inputs of its ops Python feeds other than the call's arguments (``args``):
-        # values a layer's Python computed, learned per input shapes
+        # the inputs of its ops Python feeds other than the call's arguments: values a
+        # layer's Python computed, learned per input shapes
+        args = path.argument_reads(call)
         self.feeds = [(j, k) for j, s in enumerate(steps[:-1]) for k, slot in enumerate(s.slots)
                       if slot.kind is SlotKind.FEED and (j, k) not in args]
-        # the ops whose shapes follow data give only fetched values: no reason to learn
-        tainted = path.data_tainted(call, steps[:-1])
         self.fixed = len(call.node.sigs) == 1 and not self.feeds and \
             not any(s.check_shapes and s.node not in tainted for s in steps)
         self.sweep = call.puts is None and end.next != [None] and \
@@ -105,7 +105,7 @@ class RegionSkips:
             raise Divergence("layer call with different arguments or layer settings",
                              "attribute change")
         inputs = self.checks.inputs(it, step, list(tensors), feed=False)
-        skip = self._skip_of(step, path.skippable_layer, {(j, k) for j, k, _ in step.attrs[-1]})
+        skip = self._skip_of(step, path.skippable_layer)
         learned = None
         if skip is not None:
             key = tuple(t._shape_tuple() for t in tensors)
@@ -169,14 +169,13 @@ class RegionSkips:
             known is not None and known.same(seen)
         self._learned[(learn.call, learn.key)] = seen
 
-    def _skip_of(self, call, skippable, args=frozenset()):
-        """The region's :class:`Skip` after ``call`` (None if Python may not skip it);
-        ``args``: the (op, input) pairs reading the call's arguments."""
+    def _skip_of(self, call, skippable):
+        """The region's :class:`Skip` after ``call`` (None if Python may not skip it)."""
         skip = self._skips.get(call, False)
         if skip is False:
             steps = skippable(call)
             skip = self._skips[call] = None if steps is None else \
-                Skip(call, steps, self.step_of, args)
+                Skip(call, steps, self.step_of)
         return skip
 
     def _pass(self, call, skip, flat, specs=None):
