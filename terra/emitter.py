@@ -36,7 +36,15 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from terra import opdefs
 from terra.commit import may_write
 from terra.folding import LocalSteps, static_value
-from terra.graph_ops import call_function, keep_eager_rounding, mark_for_xla, placeholder
+from terra.graph_ops import (
+    add_in_order,
+    call_function,
+    keep_eager_rounding,
+    mark_for_xla,
+    placeholder,
+    reorders,
+)
+from terra.graph_tapes import GraphTapes
 from terra.keys import Out, Phi, Read, spec, value_key
 from terra.nodes import NodeKind, SlotKind, relax
 from terra.plan import shape_fn_decides
@@ -107,14 +115,21 @@ class Emitter:
         self._consts = {}  # one Const op per value per graph (and XLA scope)
         self._static = {}  # graph tensor -> its value in every iteration, or None (folding)
         self._locals = LocalSteps(steps)  # which steps Python computes itself (folding)
+        self._tapes = GraphTapes(symbolic, self._captured)
         self._dispatch = {NodeKind.OP: self._emit_op, NodeKind.GRAD: self._emit_region,
-                          NodeKind.LOOP: self._emit_loop, NodeKind.MARK: _emit_nothing}
+                          NodeKind.LOOP: self._emit_loop, NodeKind.MARK: self._emit_mark}
 
     # -- the function's body ------------------------------------------------------------
     def __call__(self):
         self._top = ops.get_default_graph()
         env = {}  # emission key -> graph tensor (see value_key)
         last_fetch = []  # the fetches every later dequeue waits for (Fig. 3.4)
+        with self._tapes.emission():
+            self._emit_all(env, last_fetch)
+        if self._nested_write:
+            self.first_write = None
+
+    def _emit_all(self, env, last_fetch):
         for (sc, channel, skip), keys in zip(self.planned, self.exports):
             if channel is None:
                 self._emit_block(sc.cases[0].block, env, last_fetch)
@@ -126,7 +141,7 @@ class Emitter:
                 branches.append(self._branch((), keys, env, fetched))
             graph = ops.get_default_graph()
             n_ops = len(graph.get_operations())
-            with ops.control_dependencies(last_fetch):
+            with ops.control_dependencies(last_fetch), self._tapes.paused():
                 outs = control_flow_switch_case.switch_case(index, branches)
             for key, t in zip(keys, outs or ()):
                 if type(key) is Out:  # only its producer's branch gives a value that is read
@@ -135,8 +150,6 @@ class Emitter:
             if any(fetched):
                 last_fetch[:] = [op for op in graph.get_operations()[n_ops:]
                                  if op.type in ("Case", "StatelessCase")]
-        if self._nested_write:
-            self.first_write = None
 
     def _emit_block(self, block, env, last_fetch):
         for head in block:
@@ -168,6 +181,9 @@ class Emitter:
         graph = ops.get_default_graph()
         n_ops = len(graph.get_operations())
         if step.python:
+            if self._tapes.recording and any(p.in_graph for slot in step.slots
+                                             if slot.kind is SlotKind.NODE for p, _ in slot.alts):
+                self._tapes.unfaithful()  # eager's tapes may have recorded it
             for k, channel in enumerate(step.out_feed):
                 if channel is not None:
                     self._define(env, Out(node, k), self._dequeue(channel, last_fetch))
@@ -179,13 +195,19 @@ class Emitter:
                 self._nested_write = True
             elif self.first_write is None:
                 self.first_write = n_ops
+        summed = self.exact and reorders(node.op_type, inputs)
         if opdefs.info(node.op_type).op_def is None:  # a tf.function's forward or backward
             op = call_function(graph, node, inputs)
+        elif summed:
+            op = add_in_order(inputs).op  # what stands for the sum, recorded as an AddN
         else:
             op = graph._create_op_internal(
                 node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
         if self.exact:
             keep_eager_rounding([op])
+        if self._tapes.recording:
+            self._tapes.record(node, op, *(
+                (inputs, op.outputs, ("N", len(inputs), "T", inputs[0].dtype)) if summed else ()))
         if self.xla and not step.check_shapes and not self._looping and fixed_shapes(node):
             self._for_xla(graph, n_ops)  # (a While's body is not compiled)
         if node.in_graph and node.op_type not in opdefs.READ_ONLY_VARIABLE_OPS:
@@ -205,28 +227,50 @@ class Emitter:
         if step.node in self.symbolic:
             self._emit_symbolic(step, env, last_fetch)
             return
+        self._tapes.called(step.node)
         for body_step in step.body:
             self._emit_op(body_step, env, last_fetch)
+
+    def _emit_mark(self, step, env, last_fetch):
+        """A tape mark: nothing in the graph but what the graph tapes do with it."""
+        what, attrs = step.op_type, step.attrs
+        if what == "enter":
+            self._tapes.enter(attrs)
+        elif what == "exit":
+            self._tapes.exit(attrs)
+        elif what == "watch" and self._tapes.recording:
+            self._tapes.watch(attrs, [self._slot_tensor(step, i, slot, env, last_fetch)
+                                      for i, slot in enumerate(step.slots)
+                                      if slot.kind is not SlotKind.FEED])
 
     def _emit_symbolic(self, step, env, last_fetch):
         """A region whose backward ops read values that change with shapes: TF's symbolic
         gradient of the graph's forward ops, whose gradient functions compute those
-        values from the shapes at run time (``graph_builder``'s gradient regions pass)."""
+        values from the shapes at run time (``graph_builder``'s gradient regions pass). From
+        the graph tape that mirrors the region's tape where it can (``terra.graph_tapes``:
+        summed in the tape's order), else ``tf.gradients``."""
         node = step.node
         graph = ops.get_default_graph()
         n_ops = len(graph.get_operations())
         _, n_target, n_sources, no_output_gradients, unconnected = node.attrs
         tensors = [self._slot_tensor(step, i, slot, env, last_fetch)
                    for i, slot in enumerate(step.slots)]
+        targets, sources = tensors[:n_target], tensors[n_target:n_target + n_sources]
+        output_gradients = None if no_output_gradients else tensors[n_target + n_sources:]
         try:
-            grads = gradients_impl.gradients(
-                tensors[:n_target], tensors[n_target:n_target + n_sources],
-                None if no_output_gradients else tensors[n_target + n_sources:],
-                unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
+            if self._tapes.covers(step, self.steps):
+                grads = self._tapes.gradient(node, targets, sources, output_gradients)
+            else:
+                self._tapes.called(node)
+                grads = gradients_impl.gradients(
+                    targets, sources, output_gradients,
+                    unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
         except (LookupError, ValueError, TypeError) as e:  # e.g. an op with no gradient
             raise NotSymbolic(node) from e
-        if self.exact:
-            keep_eager_rounding(graph.get_operations()[n_ops:])
+        replaced = {}
+        if self.exact:  # (a graph tape recording would not know the replacement: kept)
+            replaced = keep_eager_rounding(graph.get_operations()[n_ops:],
+                                           reorder=not self._tapes.recording)
         if self.xla and not any(self.steps[p].check_shapes or not fixed_shapes(p)
                                 for _, p, _ in node.cone.values()):
             self._for_xla(graph, n_ops)
@@ -240,6 +284,7 @@ class Emitter:
                 raise NotSymbolic(node)  # structured unlike the tape's gradient
             for p, t in zip(result[1:], parts, strict=True):
                 if p is not None:
+                    t = replaced.get(t.ref(), t)
                     self._output(self.steps[p[0]], p[1], t, env, last_fetch)
 
     def _emit_loop(self, step, env, last_fetch):
@@ -278,9 +323,10 @@ class Emitter:
 
         self._looping = True
         try:
-            outs = while_loop.while_loop(
-                go_on, trip, [token] + start_values, shape_invariants=invariants,
-                parallel_iterations=1, return_same_structure=True)
+            with self._tapes.paused():
+                outs = while_loop.while_loop(
+                    go_on, trip, [token] + start_values, shape_invariants=invariants,
+                    parallel_iterations=1, return_same_structure=True)
         except (ValueError, TypeError) as e:  # a value whose shape the body changes
             raise KeepUnrolled(self.loops[node]) from e
         finally:
@@ -416,8 +462,6 @@ class Emitter:
                 self._enqueue(step, k, t, last_fetch)
 
 
-def _emit_nothing(step, env, last_fetch):
-    """A tape mark: Python's alone, nothing in the graph."""
 
 
 def _var_dtype(node, handle):

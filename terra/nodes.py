@@ -260,6 +260,12 @@ class TraceNode:
         # recorded by its tape (``trace.taped``): TF's symbolic gradient of the graph then
         # differentiates what the tape did
         self.taped = True
+        # GRAD: the handles of the trainable variables its tape watched as they were read, the
+        # same in every trace (else None): a graph tape watches them (``terra.graph_tapes``)
+        self.watched = ()
+        # OP: it ran with the tapes paused (True), not (False), or either in different traces
+        # (None): whether a graph tape records it (``terra.graph_tapes``)
+        self.untaped = rec.untaped if rec else False
         self.fetched: set[int] = set()
         self.escaped: set[int] = set()
         self.seen = 0  # traces that went through this node

@@ -148,7 +148,10 @@ class TerraGradientTape(RealGradientTape):
             attrs = (self.mark_attrs, len(nest.flatten(target)), len(flat_sources),
                      output_gradients is None, str(unconnected))
         tensors = marks.grad_tensors(target, sources, output_gradients)
-        index = recorder.begin_grad(attrs, tensors)
+        # what the tape watched as variables were read (not ``tape.watch``'s: a watch mark)
+        watched = tuple(marks.handle_or_self(v) for v in self.real.watched_variables()
+                        if v.trainable) if self.watch_accessed_variables else ()
+        index = recorder.begin_grad(attrs, tensors, watched)
         result = self.real.gradient(target, sources, output_gradients, unconnected)
         recorder.end_grad(index, nest.flatten(result))
         return result

@@ -31,6 +31,7 @@ import weakref
 from time import perf_counter as _clock
 
 import numpy as np
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import dtypes
 
 from terra import opdefs
@@ -55,7 +56,8 @@ class OpRecord:
     """One recorded step of an iteration: an op, a mark, or the head of a gradient region."""
 
     __slots__ = ("kind", "op_type", "attrs", "inputs", "out_specs", "location", "site",
-                 "in_graph", "body_len", "results", "fetched", "escaped", "after_custom")
+                 "in_graph", "body_len", "results", "fetched", "escaped", "after_custom",
+                 "watched", "untaped")
 
     def __init__(self, kind, op_type, attrs, inputs, out_specs, location, in_graph=False,
                  site=None):
@@ -73,6 +75,10 @@ class OpRecord:
         self.results = None
         # grad: a custom gradient was put on the tapes earlier in the iteration
         self.after_custom = False
+        # grad: the handles of the trainable variables its tape watched as it read them
+        self.watched = ()
+        # op: it ran with the tapes paused (``tf.stop_gradient`` pauses them): none recorded it
+        self.untaped = False
         self.fetched = set()
         self.escaped = set()
 
@@ -173,6 +179,7 @@ class Recorder:
         location, site = self._where()
         rec = OpRecord(NodeKind.OP, op_type, opdefs.normalize_attrs(op_type, attrs), refs,
                        tuple([spec_of(t) for t in outputs]), location, in_graph, site)
+        rec.untaped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
         self.records.append(rec)
         tensors, original_numpy = self.tensors, self.original_numpy
         for k, t in enumerate(outputs):
@@ -238,11 +245,12 @@ class Recorder:
         self.records.append(rec)
         return rec
 
-    def begin_grad(self, attrs, tensors):
+    def begin_grad(self, attrs, tensors, watched=()):
         location, site = self._where()
         rec = OpRecord(NodeKind.GRAD, "gradient", attrs, [self.ref(t) for t in tensors], (),
                        location, site=site)
         rec.after_custom = self.custom_gradients > 0
+        rec.watched = watched
         self.records.append(rec)
         self.region_site, self.region_location = site, location
         return len(self.records) - 1

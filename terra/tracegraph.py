@@ -207,6 +207,7 @@ class TraceGraph:
                 node.results = [resolve_result(r, rec_nodes) for r in rec.results]
                 node.observations.append(observation_of(records, i, rec_nodes))
                 node.taped = node.taped and taped(records, i)
+                node.watched = _same_watched(node, rec.watched)
         if self.end not in cur.succs:
             covered = False
             self.link(cur, self.end)
@@ -306,6 +307,8 @@ class TraceGraph:
             [relax(a, spec[0]) for a, spec in zip(relaxed, rec.out_specs)]
         node.fetched |= rec.fetched
         node.escaped |= rec.escaped
+        if node.untaped != rec.untaped:
+            node.untaped = None
         if rec.kind is NodeKind.GRAD:
             node.body_len = rec.body_len
 
@@ -411,3 +414,13 @@ class TraceGraph:
                 continue
             lines.append(n.format())
         return "\n".join(lines)
+
+
+def _same_watched(node, watched):
+    """``TraceNode.watched`` once one more trace's gradient call ``node`` watched
+    ``watched``: kept while every trace watched the same variables, else None."""
+    if len(node.observations) == 1:
+        return tuple(watched)
+    if node.watched is None or {h._id for h in node.watched} != {h._id for h in watched}:
+        return None
+    return node.watched
