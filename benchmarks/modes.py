@@ -26,6 +26,12 @@ class Mode:
     def xla(self) -> bool:
         return self.jit_compile or bool(self.terra and self.terra.get("xla"))
 
+    @property
+    def exact(self) -> bool:
+        """Its graph rounds as eager does (Terra without XLA): its losses are compared over
+        every step, also where a program's training amplifies a last-bit difference."""
+        return self.terra is not None and not self.xla
+
 
 MODES = {m.name: m for m in [
     Mode("eager", "Eager"),

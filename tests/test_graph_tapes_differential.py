@@ -34,7 +34,7 @@ def fan_out_program(tape_cls, steps, optimizer=None):
     model = FanOut()
     optimizer = optimizer or tf.keras.optimizers.SGD(0.05, momentum=0.9)
     losses, rows = [], []
-    for step in range(steps):
+    for _ in range(steps):
         x = tf.constant(rng.normal(size=(32, 12)).astype(np.float32))
         keep = tf.constant(rng.random(32) < 0.3 + 0.4 * rng.random())
         with tape_cls() as tape:

@@ -38,7 +38,8 @@ class Entry(NamedTuple):
     warmup: int  # default warm-up steps (quick config): tracing, graph generation, XLA compiles
     steps: int  # default timed steps (quick config): roughly 1-5 s of eager time
     # Losses compared with eager's: all steps, or only the first n where training is chaotic
-    # (graph-level rewrites change rounding and the program amplifies it; see resnet50).
+    # (graph-level rewrites change rounding and the program amplifies it; see resnet50). Terra
+    # without XLA rounds as eager does and is compared over every step (``Mode.exact``).
     compare_steps: int | None = None
     # Draws TF random numbers inside the step (dropout, noise). Under XLA the stateless random
     # ops yield other numbers than TF's kernels, so AutoGraph+XLA cannot match eager's losses
