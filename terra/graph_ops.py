@@ -62,14 +62,15 @@ def reorders(op_type, inputs) -> bool:
 def add_in_order(inputs):
     """``AddN(inputs)``, summed in eager's order whatever buffers the graph reuses.
 
-    ``AddN`` accumulates into one of its inputs' buffers where the executor may take it over
-    (no other reader holds it), moving that input first. Eager never hands it a buffer no
-    Python object holds, so it adds in order; a graph whose third summand is a temporary
-    adds it first (a sum of eleven activations differed in 197 of 512 values, and the
-    gradients after it). So the sum is made of two-input adds, whose operands commute
-    exactly, grouped as the kernel groups them: the first ``n % 8`` inputs (eight or nine
-    where that leaves none or one), then eight at a time, each group summed and then added
-    (bit for bit equal to eager's ``AddN`` for 2 to 34 inputs of every float type)."""
+    ``AddN`` accumulates into one of its inputs' buffers where the executor lets it take one
+    over (no other reader holds it), moving that input first. Eager never hands it a buffer
+    no Python object holds, so it adds in order; Terra's graph of a test's fan-out handed it
+    the ninth of eleven terms (the others were read by the backward pass), added first: 197
+    of 512 values differed, and the gradients after them. So the sum is made of two-input
+    adds, whose operands commute exactly, grouped as the kernel groups them: the first
+    ``n % 8`` inputs (eight or nine where that leaves none or one), then eight at a time,
+    each group summed and then added (bit for bit eager's ``AddN`` for 2 to 34 inputs of
+    every float type: ``tests/test_graph_ops.py``)."""
     n = len(inputs)
     first = n if n < 8 else {0: 8, 1: 9}.get(n % 8, n % 8)
     total = _fold(inputs[:first])
