@@ -30,7 +30,7 @@ class Skip:
     the one input shape signature the traces had; else they are learned per signature)."""
 
     __slots__ = ("steps", "sweep", "joins", "returned", "n_returned", "feeds", "fixed",
-                 "fetched")
+                 "fetched", "dynamic")
 
     def __init__(self, call, steps, step_of):
         self.steps = steps
@@ -58,6 +58,9 @@ class Skip:
             not any(s.check_shapes and s.node not in tainted for s in steps)
         self.sweep = call.puts is None and end.next != [None] and \
             all(s.puts is None and not s.has_fetch for s in steps)
+        # an op of it fetches its data-dependent shapes, which the op-by-op path puts in the
+        # iteration's signature (``validation.backward_values``) and a skip passes unread
+        self.dynamic = any(s.dynamic for s in steps)
 
 
 class RegionSkips:
@@ -106,6 +109,10 @@ class RegionSkips:
                              "attribute change")
         inputs = self.checks.inputs(it, step, list(tensors), feed=False)
         skip = self._skip_of(step, path.skippable_layer)
+        if skip is not None and skip.dynamic and it.signature is not None:
+            # a gradient region's recorded backward values hold for the row counts its traces
+            # saw (a mask's): those shapes must reach its check, so the call runs op by op
+            skip = None
         learned = None
         if skip is not None:
             key = tuple(t._shape_tuple() for t in tensors)
@@ -134,7 +141,12 @@ class RegionSkips:
         try:
             self._pass(step, skip, flat, learned.specs)
         except GraphFailed as failed:
-            failed.ran, failed.result = True, result  # the replay ran the region
+            if None in flat and it.log[-1] is logged:
+                # what it returned was not all made when the graph failed (a fetched value):
+                # the replay stops before the call, which then runs for real
+                it.log.pop()
+            else:
+                failed.ran, failed.result = True, result  # the replay ran the region
             raise
         finally:
             logged.outputs = [self.tensors[x._id] for x in flat if x is not None]

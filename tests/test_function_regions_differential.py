@@ -154,3 +154,4 @@ def test_a_slice_bound_given_as_a_tensor_keeps_eagers_shapes():
     # stand-in of a shape learned for another value
     assert_same_as_eager(_bound_is_a_tensor, 18, max_traces=4, expect_fallbacks=(0, 3),
                          min_coexecuted=6)
+

@@ -170,3 +170,24 @@ def dataset_iterator(rng, tag, base):
                         f"    np.random.default_rng(1).standard_normal((60, D)).astype(np.float32))"
                         f"\n    .batch(12, drop_remainder=True).repeat())"],
             "top": [f"x = x + 0.1 * next({tag}_it)[:batch]"]}
+
+
+@feature("masked_loss")
+def masked_loss(rng, tag, base):
+    """A loss term over the rows a data-dependent mask keeps, as a detector's loss selects its
+    responsible cells: the row count changes every step, so the graph computes that gradient
+    itself (a symbolic region from a graph tape) rather than replaying recorded ops."""
+    threshold = round(rng.uniform(-0.2, 0.3), 2)
+    return {"loss": [f"{tag}_keep = tf.reduce_max(logits, axis=-1) > {threshold}",
+                     f"loss = loss + {rng.choice([0.1, 0.5])} * tf.reduce_sum(tf.square("
+                     f"tf.boolean_mask(logits, {tag}_keep))) / 8.0"]}
+
+
+@feature("fan_out")
+def fan_out(rng, tag, base):
+    """One value read by several terms summed by ``tf.add_n``: its gradient adds as many
+    contributions, in an order that decides the last bits, and so does the sum."""
+    terms = ["tf.tanh(h)", "h * 0.5", "tf.nn.relu(h)", "h * h * 0.1", "tf.sigmoid(h) - 0.5",
+             "tf.abs(h) * 0.2", "h - tf.stop_gradient(tf.reduce_mean(h, axis=0))"]
+    picked = [rng.choice(terms) for _ in range(rng.choice([3, 5, 11]))]
+    return {"forward": [f"h = tf.add_n([{', '.join(picked)}]) / {float(len(picked))}"]}
