@@ -141,7 +141,7 @@ class RegionSkips:
         try:
             self._pass(step, skip, flat, learned.specs)
         except GraphFailed as failed:
-            if None in flat and it.log[-1] is logged:
+            if any(x is None for x in flat) and it.log[-1] is logged:
                 # what it returned was not all made when the graph failed (a fetched value):
                 # the replay stops before the call, which then runs for real
                 it.log.pop()
