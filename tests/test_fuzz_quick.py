@@ -86,3 +86,10 @@ def test_a_seed_draws_the_same_source_in_another_process():
                           capture_output=True, text=True, timeout=120, cwd=ROOT, check=True)
     assert show.stdout == render(generate(17, command=QUICK.command(17))) + "\n"
     assert render(generate(17)) != render(generate(18))
+
+
+def test_the_program_that_found_a_skip_failing_mid_fetch_agrees_with_eager():
+    # seed 6 of ``--only masked_loss,fan_out`` (docs/fuzz.md, bug 11): the graph failed while
+    # a skipped ``tf.boolean_mask`` fetched its value, and the fallback handed the next op None
+    result = run(generate(6, only=["masked_loss", "fan_out"]))
+    assert result.kind == "ok", f"{result.kind}: {result.verdict['detail']}"
