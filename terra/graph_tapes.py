@@ -62,7 +62,9 @@ class GraphTapes:
 
     @property
     def recording(self) -> bool:
-        return bool(self._open) and not self._paused
+        """Whether a graph tape records what is emitted now (one entered and not stopped,
+        outside a loop or switch-case)."""
+        return not self._paused and any(live for _, _, live in self._open)
 
     def enter(self, attrs):
         if attrs not in self._wanted:

@@ -29,7 +29,7 @@ class FanOut(tf.Module):
         return tf.add_n(terms)
 
 
-def fan_out_program(tape_cls, steps, optimizer=None):
+def fan_out_program(tape_cls, steps, optimizer=None, inside=False):
     rng = np.random.default_rng(0)
     model = FanOut()
     optimizer = optimizer or tf.keras.optimizers.SGD(0.05, momentum=0.9)
@@ -41,7 +41,10 @@ def fan_out_program(tape_cls, steps, optimizer=None):
             out = model(x)
             picked = tf.boolean_mask(out, keep)  # its rows change every step
             loss = tf.reduce_mean(tf.square(picked - 0.5)) + tf.reduce_mean(out) * 0.1
-        grads = tape.gradient(loss, model.trainable_variables)
+            if inside:  # the tape stops recording at the call, as TF's does
+                grads = tape.gradient(loss, model.trainable_variables)
+        if not inside:
+            grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         losses.append(float(loss))
         rows.append(int(picked.shape[0]))
@@ -62,6 +65,15 @@ def _adam(tape_cls, steps):
 def test_the_same_with_adam():
     assert_same_as_eager(_adam, 14, exact=("losses", "grads", "variables"), max_traces=3,
                          min_coexecuted=6)
+
+
+def _inside_the_with(tape_cls, steps):
+    return fan_out_program(tape_cls, steps, tf.keras.optimizers.Adam(0.01), inside=True)
+
+
+def test_a_gradient_taken_inside_the_tapes_with():
+    assert_same_as_eager(_inside_the_with, 14, exact=("losses", "grads", "variables"),
+                         max_traces=3, min_coexecuted=6)
 
 
 def batch_norm_program(tape_cls, steps):
