@@ -224,10 +224,10 @@ class Emitter:
     def _emit_region(self, step, env, last_fetch):
         """A gradient region: its recorded backward ops, which Python skips, or TF's
         symbolic gradient of the graph's forward ops."""
+        self._tapes.called(step.node)
         if step.node in self.symbolic:
             self._emit_symbolic(step, env, last_fetch)
             return
-        self._tapes.called(step.node)
         for body_step in step.body:
             self._emit_op(body_step, env, last_fetch)
 
@@ -261,7 +261,6 @@ class Emitter:
             if self._tapes.covers(step, self.steps):
                 grads = self._tapes.gradient(node, targets, sources, output_gradients)
             else:
-                self._tapes.called(node)
                 grads = gradients_impl.gradients(
                     targets, sources, output_gradients,
                     unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])

@@ -97,8 +97,8 @@ class GraphTapes:
                 return
 
     def called(self, node):
-        """Gradient call ``node`` (emitted either way) stops its tape recording if that is
-        not persistent, as ``tf.GradientTape.gradient`` inside its ``with`` does."""
+        """Gradient call ``node`` (before it is emitted, either way) stops its tape recording
+        if that is not persistent, as ``tf.GradientTape.gradient`` inside its ``with`` does."""
         tape = self._last.get(node.attrs[0])
         if not node.attrs[0][0]:
             for entry in self._open:
@@ -181,8 +181,8 @@ class GraphTapes:
                    for kind, p, _ in node.cone.values() if kind is SlotKind.NODE)
 
     def gradient(self, node, targets, sources, output_gradients):
-        """Region ``node``'s gradient, from the graph tape its tape's enter mark made."""
-        self.called(node)
+        """Region ``node``'s gradient, from the graph tape its tape's enter mark made (after
+        :meth:`called`)."""
         unconnected = UnconnectedGradients[node.attrs[4].split(".")[-1]]
         with _live():  # the backward ops are recorded on the tapes still recording, as eager's
             return self._last[node.attrs[0]].gradient(

@@ -138,6 +138,9 @@ def data_shaped_returns(call):
             if r is not None and r[0] in tainted]
 
 
+_ARGUMENT = ("argument",)  # the producers data_tainted gives an argument read
+
+
 def argument_reads(call):
     """The (op index, input) pairs of a layer or function call's region that read one of
     the call's tensor arguments (its ``call`` mark: six attrs, the argument reads last;
@@ -158,21 +161,21 @@ def data_tainted(call, steps):
     tainted, arithmetic = set(), set()
     for j, step in enumerate(steps):
         node = step.node
-        inputs = ["argument" if (j, k) in reads and slot.kind is SlotKind.FEED else
+        # per input: its producers, None for another external value; an argument read is
+        # produced by the caller's data (_ARGUMENT: never arithmetic, never tainted itself)
+        inputs = [_ARGUMENT if (j, k) in reads and slot.kind is SlotKind.FEED else
                   [p for p, _ in slot.alts] if slot.kind in (SlotKind.NODE, SlotKind.SAME)
                   else None for k, slot in enumerate(step.slots)]
         if step.dynamic or node.data_dependent or \
-                any(p in tainted for ps in inputs if type(ps) is list for p in ps):
+                any(p in tainted for ps in inputs if ps for p in ps):
             tainted.add(node)
             continue
         if node.op_type in folding.SHAPE_OF or node.op_type in folding.FOLDABLE and all(
-                ps is None or type(ps) is list and all(p in arithmetic for p in ps)
-                for ps in inputs):
+                ps is None or all(p in arithmetic for p in ps) for ps in inputs):
             arithmetic.add(node)  # integers from shapes and constants: no data in them
         if not shape_fn_decides(node) and not (
                 node.op_type in folding.VALUE_SHAPED and
-                all(inputs[i] is None or type(inputs[i]) is list and
-                    all(p in arithmetic for p in inputs[i])
+                all(inputs[i] is None or all(p in arithmetic for p in inputs[i])
                     for i in folding.VALUE_SHAPED[node.op_type] if i < len(inputs))):
             tainted.add(node)
     return tainted
