@@ -73,6 +73,11 @@ class Config:
       min_saving: (``TERRA_MIN_SAVING``) a first graph whose saving the traces predict
         under this fraction of an iteration is not built until the budget affords its
         estimated cost (``terra.budget``); ``-inf`` builds it at once whatever it predicts.
+      new_path_risk: (``TERRA_NEW_PATH_RISK``) a graph is built once a trace is covered and
+        the chance that the next iteration takes a path no trace took, estimated from how
+        many traces took a path no other did (``terra.census``), is at most this; else
+        tracing goes on, for at most what building the graph would cost. 1.0 builds at the
+        first covered trace.
       verbosity: (``TERRA_VERBOSITY``, like ``AUTOGRAPH_VERBOSITY``) what the ``terra`` logger
         prints to stderr: 0, a warning the first time a site falls back and when Terra runs
         eagerly for good or fails itself; 1, every event ``explain()`` lists, as it happens.
@@ -131,6 +136,7 @@ class Config:
     budget: float = 0.05
     free_rebuilds: int = 2
     min_saving: float = 0.05
+    new_path_risk: float = 0.1
     verbosity: int = 0
     verify: int = 0
     verify_rtol: float = 1e-5
@@ -153,6 +159,7 @@ class Config:
             budget=float(os.environ.get("TERRA_BUDGET", "0.05")),
             free_rebuilds=int(os.environ.get("TERRA_FREE_REBUILDS", "2")),
             min_saving=float(os.environ.get("TERRA_MIN_SAVING", "0.05")),
+            new_path_risk=float(os.environ.get("TERRA_NEW_PATH_RISK", "0.1")),
             verbosity=int(os.environ.get("TERRA_VERBOSITY", "0")),
             verify=int(os.environ.get("TERRA_VERIFY", "0")),
             verify_rtol=float(os.environ.get("TERRA_VERIFY_RTOL", "1e-5")),

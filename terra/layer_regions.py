@@ -108,6 +108,7 @@ class LayerRegions:
 
     def __init__(self, note):
         self.note = note  # EventLog.note
+        self.offs = 0  # regions turned off: traces before one recorded it as a region
         self.depth = 0  # inside a region: nested layer calls are part of it
         self.skipped = 0
         self.skipped_functions = 0
@@ -273,6 +274,7 @@ class LayerRegions:
 
     def _off(self, layer, state, why):
         state.off = why
+        self.offs += 1
         self.note("layer region off", f"{type(layer).__name__} {layer.name!r}: {why}; its "
                   "calls run their Python", user_location())
 

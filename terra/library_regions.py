@@ -129,6 +129,7 @@ class LibraryRegions:
 
     def __init__(self, note):
         self.note = note  # EventLog.note
+        self.offs = 0  # regions turned off: traces before one recorded it as a region
         self.depth = 0  # inside a region: a nested update is part of it
         self.skipped = 0
         self._states = weakref.WeakKeyDictionary()
@@ -204,6 +205,7 @@ class LibraryRegions:
 
     def _off(self, opt, state, why):
         state.off = why
+        self.offs += 1
         self.note("library region off", f"{type(opt).__name__}: {why}; its updates take "
                   "the per-op path", user_location())
 

@@ -12,6 +12,7 @@ never changes the runtime's state itself, so a phase is set in one place.
 import time
 
 from terra import background, budget, functions, interception, precompile, profiling
+from terra.census import PathCensus
 from terra.config import config
 from terra.graph_builder import generate
 from terra.nodes import NodeKind
@@ -50,6 +51,9 @@ class GraphLifecycle:
         # gradient regions (set at each merge, the only time the TraceGraph changes)
         self._size = (0, 0)
         self.merged = False  # whether a trace was merged into the TraceGraph
+        self.census = PathCensus()  # the paths the merged traces took (terra.census)
+        self._exploring = None  # seconds of recording since traces were covered, unsettled
+        self._built_from = None  # how many paths the last graph was built from
         self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
         self._note = note
@@ -79,13 +83,16 @@ class GraphLifecycle:
 
     # -- traces ---------------------------------------------------------------------------
     @profiling.traced("terra_merge")
-    def merge(self, rec):
+    def merge(self, rec, recorded_otherwise=False):
         """Merge a finished trace into the TraceGraph. Returns whether the TraceGraph already
-        covered it (time to generate), or None if the trace is not merged (dropped, aborted,
-        creating state, empty or too long); False, unmerged, for a first trace whose graph
-        would wait (``waits_for_first_graph``). Raises :class:`GiveUp` when a gradient region
-        cannot be skipped by Python, or when merging fails (the TraceGraph may be
-        half-merged)."""
+        covered it and the paths look settled (time to generate: ``_settled``), or None if
+        the trace is not merged (dropped, aborted, creating state, empty or too long);
+        False, unmerged, for a first trace whose graph would wait
+        (``waits_for_first_graph``). ``recorded_otherwise``: a region was turned off while
+        it was recorded (its calls are recorded op by op from now on), so it and the traces
+        before are no samples of the paths to come (``terra.census``). Raises
+        :class:`GiveUp` when a gradient region cannot be skipped by Python, or when merging
+        fails (the TraceGraph may be half-merged)."""
         if rec.broken is not None:
             self._note("Terra error while tracing (trace dropped)", rec.broken)
             return None
@@ -112,18 +119,54 @@ class GraphLifecycle:
         regions_before = self.tracegraph.regions() if self._stats.graph_generations else None
         self.merged = True
         try:
-            covered, _ = self.tracegraph.merge(rec.records, any_path=self.folded())
+            covered, path = self.tracegraph.merge(rec.records, any_path=self.folded())
         except Exception as err:  # noqa: BLE001 - the TraceGraph may be half-merged: stop
             if config.strict:
                 raise
             raise GiveUp(f"Terra error while merging a trace: {type(err).__name__}: "
                          f"{err}") from None
         self._size = _cost_size(self.tracegraph.nodes, lambda n: n.in_body)
+        self.census.add(path)
+        if recorded_otherwise:
+            self.census.restart()
         if regions_before is not None:
             self._count_region_misses(regions_before)
         if config.check:
             self.tracegraph.lint()
-        return covered
+        return covered and self._settled(rec.seconds)
+
+    def _settled(self, recording) -> bool:
+        """After a covered trace: whether the program's paths look settled enough to build
+        the graph (``terra.census``: a new path's chance at most ``config.new_path_risk``).
+        Else trace on, unless tracing on has already cost (``recording`` seconds this trace)
+        what building the graph would: a wrong guess then costs at most twice the best one.
+
+        Asked of the first graph, and of a graph built again where the last was built from
+        two or more paths: the program draws its paths. A graph of one path that met
+        another took a late path (a one-off, a periodic event): built again at once, as it
+        serves both; if yet another comes, the program draws, and the census decides. After
+        the first graph, tracing on is spending the budget must afford, as a rebuild beyond
+        the free ones (``Ledger.affordable``); where it does not, the graph is built again
+        or the runtime waits, as ``should_generate`` says."""
+        if self._built_from is not None and self._built_from < 2 or \
+                self._stats.graph_generations and not self.ledger.affordable():
+            return True  # (should_generate says whether to build or wait)
+        chance = self.census.new_path_chance(self.tracegraph.trips, self._stats.coexecuted)
+        if chance <= config.new_path_risk:
+            return True
+        if self._exploring is None:
+            self._exploring = 0.0
+            self._note("tracing on", f"the trace was covered, but the chance of a new path "
+                       f"is ~{chance:.0%} ({len(self.census)} traces and "
+                       f"{self._stats.coexecuted} co-executed iterations, terra.census): "
+                       "tracing on before building the graph")
+        self._exploring += recording
+        cost = self.ledger.build_cost(*self._size)
+        if self._exploring < cost:
+            return False
+        self._note("building", f"new paths may still come ({chance:.0%}), but tracing on has "
+                   f"cost {self._exploring:.2f}s, what building the graph would (~{cost:.2f}s)")
+        return True
 
     def should_generate(self, fallbacks_in_a_row) -> bool:
         """After a trace the TraceGraph covered: whether to generate the graph now. Raises
@@ -178,6 +221,8 @@ class GraphLifecycle:
         waits for that, as for generation. Raises :class:`GiveUp` if it cannot be generated
         (the program stays eager)."""
         t0 = time.perf_counter()
+        self._exploring = None
+        self._built_from = self.census.paths(self.tracegraph.trips)
         try:
             with interception.paused():
                 graph = generate(self.tracegraph, xla=config.xla, exact=config.exact,

@@ -115,6 +115,7 @@ class Runtime(Exits):
         self.marks = TapeMarks(self)
         self.regions = library_regions.LibraryRegions(self.events.note)
         self.layers = layer_regions.LayerRegions(self.events.note)
+        self._offs = 0  # regions turned off when the last trace finished
         self.verifier = verify.Verifier(self.stats)
         library_regions.install()
         layer_regions.install()
@@ -274,8 +275,9 @@ class Runtime(Exits):
         rec, self.recorder = self.recorder, None
         self.ctx.remove_op_callback(rec.callback)
         rec.finish()
+        offs, self._offs = self._offs, self.layers.offs + self.regions.offs
         try:
-            covered = self.lifecycle.merge(rec)
+            covered = self.lifecycle.merge(rec, recorded_otherwise=offs != self._offs)
             if covered is not None:
                 self.stats.traces += 1
             if covered is False and not self.lifecycle.merged:
