@@ -14,6 +14,10 @@ the PythonRunner can validate them soundly (:meth:`Slot.observe`):
 - a value seen in one trace only is a ``const`` if it is tiny (``ONCE_CONST``), else a ``feed``;
 - ``feed``: anything else -> an Input Feeding queue; its dtype is validated and its shape
   is validated against the shapes seen (a varying dimension is relaxed in the graph).
+
+A constant that varied at one node varies at every node of its line (the TraceGraph's
+``varying``): one Python expression computes them all (SDPoint's resize size, after whichever
+block it down-samples), so they are fed too (:meth:`Slot.vary`).
 """
 
 import enum
@@ -182,6 +186,12 @@ class Slot:
             self.kind, self.tensor = SlotKind.CAPTURE, t  # the very same tensor every time
         else:
             self.kind, self.tensor = SlotKind.FEED, None
+
+    def vary(self):
+        """Take the input for one whose value varies, though none was seen to yet: fed."""
+        self.values_vary = True
+        if self.kind is SlotKind.CONST:
+            self.kind = SlotKind.FEED
 
     def matches(self, ref, trace, join=False):
         """Whether the input ``ref`` of a record of ``trace`` (the part of a trace merged so

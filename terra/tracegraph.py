@@ -92,6 +92,9 @@ class TraceGraph:
         # the trips of Python loops the traces went through: the nodes of a loop's first trip
         # -> {trip index: that trip's nodes}; terra.loops rolls them into loop nodes
         self.trips: dict[tuple, dict[int, tuple]] = {}
+        # (user line, op type, input index) of the external inputs seen to vary: they vary
+        # at every node of that line (``Slot.vary``)
+        self.varying: set[tuple] = set()
 
     def _count_repeats(self, records):
         """Note, per user line, how many times the ops issued there ran in this trace: the
@@ -287,12 +290,21 @@ class TraceGraph:
                 node.inputs.append(Slot.external(ref.tensor))
         return node
 
-    @staticmethod
-    def _observe(node, rec):
-        """Fold the external values of one more observation into the slots' classes."""
-        for slot, ref in zip(node.inputs, rec.inputs):
-            if type(ref) is ExtRef:
-                slot.observe(ref.tensor)
+    def _observe(self, node, rec):
+        """Fold the external values of one more observation into the slots' classes. A
+        value that varies makes its input vary at every node of that line (``varying``)."""
+        for i, (slot, ref) in enumerate(zip(node.inputs, rec.inputs)):
+            if type(ref) is not ExtRef:
+                continue
+            slot.observe(ref.tensor)
+            line = (node.location, node.op_type, i)
+            if line in self.varying:
+                slot.vary()
+            elif slot.values_vary and slot.kind is SlotKind.FEED and node.location is not None:
+                self.varying.add(line)
+                for other in self.nodes:
+                    if (other.location, other.op_type) == line[:2] and len(other.inputs) > i:
+                        other.inputs[i].vary()
 
     @staticmethod
     def _absorb(node, rec, records):

@@ -223,3 +223,29 @@ def test_a_gradient_region_is_reused_only_for_the_forward_pass_it_differentiates
     g.lint()
     assert len([n for n in g.nodes if n.op_type == "Square"]) == 1, str(g)
     assert len([n for n in g.nodes if n.op_type == "gradient"]) == 2, str(g)
+
+
+def resize_trace(after_exp, size):
+    """``h = Neg(x)``, ``Exp(h)`` first if ``after_exp``; then ``ResizeBilinear(h, size)``
+    at one line (line 66: one helper called after either), with ``size`` a small constant."""
+    recs = [op_at(at(1), "Neg", ext(np.ones((4, 3))))]
+    if after_exp:
+        recs.append(op_at(at(2), "Exp", OpRef(0, 0)))
+    resize = op_at(at(66), "ResizeBilinear", OpRef(len(recs) - 1, 0),
+                   ExtRef(tf.constant([size, size])))
+    resize.site = (66, len(recs))  # another call stack on each path
+    return recs + [resize]
+
+
+def test_a_constant_that_varied_at_one_node_of_a_line_is_fed_at_every_node_of_it():
+    g = TraceGraph()
+    for after_exp, size in [(False, 16), (True, 8), (False, 16), (True, 8)]:
+        g.merge(resize_trace(after_exp, size))
+    resizes = [n for n in g.nodes if n.op_type == "ResizeBilinear"]
+    assert len(resizes) == 2 and all(n.inputs[1].kind is SlotKind.CONST for n in resizes), str(g)
+    g.merge(resize_trace(False, 24))  # SDPoint's other ratio, after one block
+    # the other block's size is fed as well: its other ratio would fall back too
+    assert all(n.inputs[1].kind is SlotKind.FEED for n in resizes), str(g)
+    g.merge(resize_trace(True, 8))  # observed again: stays fed
+    assert resizes[1].inputs[1].kind is SlotKind.FEED, str(g)
+    g.lint()
