@@ -14,24 +14,20 @@ a value returns a placeholder of its dtype and shape, never read). An input that
 (a ``phi`` slot) reads whichever of its producers ran last: in the graph, a running value
 each of them overwrites.
 
-One :class:`Emitter` per generation walks the plan with one dispatch on the step's kind
-(an op, a gradient region, a loop); an error while emitting a step is re-raised naming the
-node and the user's line that issued it.
+One :class:`Emitter` per generation walks the plan with one dispatch on the step's kind: an
+op or a tape mark here, a gradient region (``terra.region_emission``) or a loop node
+(``terra.loop_emission``) by the functions there, which use the Emitter's ``emit_op``,
+``slot_tensor``, ``output``, ``dequeue`` and ``define``. An error while emitting a step is
+re-raised naming the node and the user's line that issued it.
 """
 
 import collections
+import functools
 import itertools
 
 import numpy as np
-from tensorflow.python.framework import constant_op, ops, tensor_shape
-from tensorflow.python.ops import (
-    array_ops,
-    control_flow_switch_case,
-    gradients_impl,
-    math_ops,
-    while_loop,
-)
-from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.framework import constant_op, ops
+from tensorflow.python.ops import array_ops, control_flow_switch_case
 
 from terra import opdefs
 from terra.commit import may_write
@@ -46,32 +42,16 @@ from terra.graph_ops import (
 )
 from terra.graph_tapes import GraphTapes
 from terra.keys import Out, Phi, Read, spec, value_key
-from terra.nodes import NodeKind, SlotKind, relax
+from terra.loop_emission import KeepUnrolled, emit_loop
+from terra.nodes import NodeKind, SlotKind
 from terra.plan import shape_fn_decides
 from terra.queues import Channel
+from terra.region_emission import NotSymbolic, emit_region
 from terra.xla import fixed_shapes
 
 # Outputs whose graph shape TF leaves unknown although it depends on nothing but the input
 # shapes (a kernel's scratch space): not data-dependent, so not fetched
 _SCRATCH_OUTPUTS = {"FusedBatchNormV3": frozenset({5}), "_FusedBatchNormEx": frozenset({5})}
-
-class NotSymbolic(Exception):
-    """TF's symbolic gradient of a region does not stand for its tape's: emit its recorded
-    backward ops instead."""
-
-    def __init__(self, node):
-        super().__init__(node)
-        self.node = node
-
-
-class KeepUnrolled(Exception):
-    """A loop's While, or TF's symbolic gradient through it, cannot be built: generate again
-    with that loop unrolled."""
-
-    def __init__(self, key):
-        super().__init__(key)
-        self.key = key
-
 
 class EmissionError(RuntimeError):
     """An error while emitting one step: names the node, which ends with the user's line
@@ -109,22 +89,25 @@ class Emitter:
         self.enqueued = []
         self._segments = itertools.count()  # XLA scopes: a new one after every fetch
         self._scope = None
-        self._looping = False  # emitting a loop's body
+        self.looping = False  # emitting a loop's body
         self._top = None
         self._outer = {}  # id -> the top graph's capture of an eager tensor
         self._consts = {}  # one Const op per value per graph (and XLA scope)
         self._static = {}  # graph tensor -> its value in every iteration, or None (folding)
         self._locals = LocalSteps(steps)  # which steps Python computes itself (folding)
-        self._tapes = GraphTapes(symbolic, self._captured)
-        self._dispatch = {NodeKind.OP: self._emit_op, NodeKind.GRAD: self._emit_region,
-                          NodeKind.LOOP: self._emit_loop, NodeKind.MARK: self._emit_mark}
+        self.tapes = GraphTapes(symbolic, self._captured)
+        self._dispatch = {
+            NodeKind.OP: self.emit_op, NodeKind.MARK: self._emit_mark,
+            NodeKind.GRAD: functools.partial(emit_region, self),  # terra.region_emission
+            NodeKind.LOOP: functools.partial(emit_loop, self),  # terra.loop_emission
+        }
 
     # -- the function's body ------------------------------------------------------------
     def __call__(self):
         self._top = ops.get_default_graph()
         env = {}  # emission key -> graph tensor (see value_key)
         last_fetch = []  # the fetches every later dequeue waits for (Fig. 3.4)
-        with self._tapes.emission():
+        with self.tapes.emission():
             self._emit_all(env, last_fetch)
         if self._nested_write:
             self.first_write = None
@@ -134,14 +117,14 @@ class Emitter:
             if channel is None:
                 self._emit_block(sc.cases[0].block, env, last_fetch)
                 continue
-            index = self._dequeue(channel, last_fetch)
+            index = self.dequeue(channel, last_fetch)
             fetched = []
             branches = [self._branch(case.block, keys, env, fetched) for case in sc.cases]
             if skip is not None:
                 branches.append(self._branch((), keys, env, fetched))
             graph = ops.get_default_graph()
             n_ops = len(graph.get_operations())
-            with ops.control_dependencies(last_fetch), self._tapes.paused():
+            with ops.control_dependencies(last_fetch), self.tapes.paused():
                 outs = control_flow_switch_case.switch_case(index, branches)
             for key, t in zip(keys, outs or ()):
                 if type(key) is Out:  # only its producer's branch gives a value that is read
@@ -175,23 +158,23 @@ class Emitter:
 
         return fn
 
-    # -- the three kinds of step ----------------------------------------------------------
-    def _emit_op(self, step, env, last_fetch):
+    # -- ops and marks (regions and loops: terra.region_emission, terra.loop_emission) ---
+    def emit_op(self, step, env, last_fetch):
         node = step.node
         graph = ops.get_default_graph()
         n_ops = len(graph.get_operations())
         if step.python:
-            if self._tapes.recording and any(p.in_graph for slot in step.slots
+            if self.tapes.recording and any(p.in_graph for slot in step.slots
                                              if slot.kind is SlotKind.NODE for p, _ in slot.alts):
-                self._tapes.unfaithful()  # eager's tapes may have recorded it
+                self.tapes.unfaithful()  # eager's tapes may have recorded it
             for k, channel in enumerate(step.out_feed):
                 if channel is not None:
-                    self._define(env, Out(node, k), self._dequeue(channel, last_fetch))
+                    self.define(env, Out(node, k), self.dequeue(channel, last_fetch))
             return
-        inputs = [self._slot_tensor(step, i, slot, env, last_fetch)
+        inputs = [self.slot_tensor(step, i, slot, env, last_fetch)
                   for i, slot in enumerate(step.slots)]
         if may_write(node.op_type):  # the commit gate's (terra.commit)
-            if graph is not self._top or self._looping:
+            if graph is not self._top or self.looping:
                 self._nested_write = True
             elif self.first_write is None:
                 self.first_write = n_ops
@@ -205,11 +188,11 @@ class Emitter:
                 node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
         if self.exact:
             keep_eager_rounding([op])
-        if self._tapes.recording:
-            self._tapes.record(node, op, *(
+        if self.tapes.recording:
+            self.tapes.record(node, op, *(
                 (inputs, op.outputs, ("N", len(inputs), "T", inputs[0].dtype)) if summed else ()))
-        if self.xla and not step.check_shapes and not self._looping and fixed_shapes(node):
-            self._for_xla(graph, n_ops)  # (a While's body is not compiled)
+        if self.xla and not step.check_shapes and not self.looping and fixed_shapes(node):
+            self.for_xla(graph, n_ops)  # (a While's body is not compiled)
         if node.in_graph and node.op_type not in opdefs.READ_ONLY_VARIABLE_OPS:
             for slot in step.slots:
                 if slot.kind is SlotKind.VAR:
@@ -219,121 +202,19 @@ class Emitter:
         for k, t in enumerate(op.outputs):  # decided for all outputs before any is
             self._note_dynamic(step, k, t)  # emitted: a data-dependent op fetches every one
         for k, t in enumerate(op.outputs):
-            self._output(step, k, t, env, last_fetch)
-
-    def _emit_region(self, step, env, last_fetch):
-        """A gradient region: its recorded backward ops, which Python skips, or TF's
-        symbolic gradient of the graph's forward ops."""
-        self._tapes.called(step.node)
-        if step.node in self.symbolic:
-            self._emit_symbolic(step, env, last_fetch)
-            return
-        for body_step in step.body:
-            self._emit_op(body_step, env, last_fetch)
+            self.output(step, k, t, env, last_fetch)
 
     def _emit_mark(self, step, env, last_fetch):
         """A tape mark: nothing in the graph but what the graph tapes do with it."""
         what, attrs = step.op_type, step.attrs
         if what == "enter":
-            self._tapes.enter(attrs)
+            self.tapes.enter(attrs)
         elif what == "exit":
-            self._tapes.exit(attrs)
-        elif what == "watch" and self._tapes.recording:
-            self._tapes.watch(attrs, [self._slot_tensor(step, i, slot, env, last_fetch)
+            self.tapes.exit(attrs)
+        elif what == "watch" and self.tapes.recording:
+            self.tapes.watch(attrs, [self.slot_tensor(step, i, slot, env, last_fetch)
                                       for i, slot in enumerate(step.slots)
                                       if slot.kind is not SlotKind.FEED])
-
-    def _emit_symbolic(self, step, env, last_fetch):
-        """A region whose backward ops read values that change with shapes: TF's symbolic
-        gradient of the graph's forward ops, whose gradient functions compute those
-        values from the shapes at run time (``graph_builder``'s gradient regions pass). From
-        the graph tape that mirrors the region's tape where it can (``terra.graph_tapes``:
-        summed in the tape's order), else ``tf.gradients``."""
-        node = step.node
-        graph = ops.get_default_graph()
-        n_ops = len(graph.get_operations())
-        _, n_target, n_sources, no_output_gradients, unconnected = node.attrs
-        tensors = [self._slot_tensor(step, i, slot, env, last_fetch)
-                   for i, slot in enumerate(step.slots)]
-        targets, sources = tensors[:n_target], tensors[n_target:n_target + n_sources]
-        output_gradients = None if no_output_gradients else tensors[n_target + n_sources:]
-        try:
-            if self._tapes.covers(step, self.steps):
-                grads = self._tapes.gradient(node, targets, sources, output_gradients)
-            else:
-                grads = gradients_impl.gradients(
-                    targets, sources, output_gradients,
-                    unconnected_gradients=UnconnectedGradients[unconnected.split(".")[-1]])
-        except (LookupError, ValueError, TypeError) as e:  # e.g. an op with no gradient
-            raise NotSymbolic(node) from e
-        replaced = {}
-        if self.exact:  # (a graph tape recording would not know the replacement: kept)
-            replaced = keep_eager_rounding(graph.get_operations()[n_ops:],
-                                           reorder=not self._tapes.recording)
-        if self.xla and not any(self.steps[p].check_shapes or not fixed_shapes(p)
-                                for _, p, _ in node.cone.values()):
-            self._for_xla(graph, n_ops)
-        for result, g in zip(node.results, grads, strict=True):
-            parts = (None,) if g is None else (
-                (g.values, g.indices, g.dense_shape) if hasattr(g, "indices") else (g,))
-            if result is None and g is None:
-                continue
-            if result is None or len(result) - 1 != len(parts) or any(
-                    (p is None) != (t is None) for p, t in zip(result[1:], parts)):
-                raise NotSymbolic(node)  # structured unlike the tape's gradient
-            for p, t in zip(result[1:], parts, strict=True):
-                if p is not None:
-                    t = replaced.get(t.ref(), t)
-                    self._output(self.steps[p[0]], p[1], t, env, last_fetch)
-
-    def _emit_loop(self, step, env, last_fetch):
-        """A loop node: a While whose Loop Cond the PythonRunner feeds after each trip
-        (and before the first rolled one). The loop variables are a token, which orders
-        a trip's dequeues after the previous trip's fetches (Fig. 3.4 across trips), and
-        the body's values read by the next trip or after the loop, starting from the
-        last peeled trip's."""
-        node = step.node
-        carried = node.carried
-        cond = self.conds[node]
-        with ops.control_dependencies(last_fetch):
-            token = array_ops.identity(constant_op.constant(0))
-        start_values = [env[value_key(slot)] for slot in node.inputs]
-        invariants = [tensor_shape.TensorShape([])] + [
-            tensor_shape.TensorShape(relax(b.out_relaxed[k], slot.alts[0][0].out_relaxed[k]))
-            .most_specific_compatible_shape(t.shape)
-            for (b, k), slot, t in zip(carried, node.inputs, start_values, strict=True)]
-        fetched = []
-
-        def go_on(token, *_):
-            return math_ops.not_equal(self._dequeue(cond, [token]), 0)
-
-        def trip(token, *values):
-            local = collections.ChainMap({}, env)
-            for (b, k), v in zip(carried, values, strict=True):
-                for sid in self.phi_of.get(Out(b, k), ()):
-                    local[Phi(sid)] = v
-            trip_fetch = [token]
-            for body_step in step.body:
-                self._emit_op(body_step, local, trip_fetch)
-            fetched.append(trip_fetch[0] is not token)
-            with ops.control_dependencies(trip_fetch):
-                token = array_ops.identity(token)
-            return [token] + [local[Out(b, k)] for b, k in carried]
-
-        self._looping = True
-        try:
-            with self._tapes.paused():
-                outs = while_loop.while_loop(
-                    go_on, trip, [token] + start_values, shape_invariants=invariants,
-                    parallel_iterations=1, return_same_structure=True)
-        except (ValueError, TypeError) as e:  # a value whose shape the body changes
-            raise KeepUnrolled(self.loops[node]) from e
-        finally:
-            self._looping = False
-        for (b, k), t in zip(carried, outs[1:], strict=True):
-            self._define(env, Out(b, k), t)
-        if any(fetched):
-            last_fetch[:] = [outs[0].op]
 
     # -- values -------------------------------------------------------------------------
     def _captured(self, t):
@@ -346,7 +227,7 @@ class Emitter:
                 c = self._outer[t._id] = self._top.capture(t)
         return c
 
-    def _dequeue(self, channel, last_fetch):
+    def dequeue(self, channel, last_fetch):
         """The channel's next value, its relaxed shape stated by an ``EnsureShape`` op.
 
         ``set_shape`` informs only this Python graph: TF infers the instantiated
@@ -382,7 +263,7 @@ class Emitter:
         step.fetch[k] = channel
         step.has_fetch = True
 
-    def _define(self, env, key, t):
+    def define(self, env, key, t):
         env[key] = t
         for sid in self.phi_of.get(key, ()):
             env[Phi(sid)] = t
@@ -401,7 +282,7 @@ class Emitter:
             t = self._consts[key] = constant_op.constant(value, dtype=dtype)
         return t
 
-    def _slot_tensor(self, step, i, slot, env, last_fetch):
+    def slot_tensor(self, step, i, slot, env, last_fetch):
         if slot.kind in (SlotKind.NODE, SlotKind.SAME):
             return env[value_key(slot)]
         if slot.kind in (SlotKind.VAR, SlotKind.CAPTURE):
@@ -409,16 +290,16 @@ class Emitter:
         elif slot.kind is SlotKind.CONST:
             t = self._constant(slot.value, slot.dtype)
         else:
-            t = self._dequeue(step.feed[i], last_fetch)
+            t = self.dequeue(step.feed[i], last_fetch)
             if ops.get_default_graph() is not self._top:
                 # in a switch-case's branch: TF's gradient through the Case differentiates
                 # the branch with respect to all its inputs, the captured queue handle too,
                 # and a dequeue has no gradient. A value Python feeds has none either.
                 t = array_ops.stop_gradient(t)
-        self._define(env, Read(step.node, i), t)
+        self.define(env, Read(step.node, i), t)
         return t
 
-    def _for_xla(self, graph, n_ops):
+    def for_xla(self, graph, n_ops):
         """Mark the compute ops created since ``n_ops`` for XLA (section 3.12)."""
         if self._scope is None:
             self._scope = f"{self.name}_{next(self._segments)}".encode()
@@ -437,11 +318,11 @@ class Emitter:
                 or step.check_shapes and k == 0 and not shape_fn_decides(node):
             step.dynamic = True
 
-    def _output(self, step, k, t, env, last_fetch):
+    def output(self, step, k, t, env, last_fetch):
         """Output ``k`` of ``step`` is ``t``: what later ops read, and a fetch if Python
         reads it (or needs its data-dependent shape)."""
         node = step.node
-        self._define(env, Out(node, k), t)
+        self.define(env, Out(node, k), t)
         if t.dtype.as_datatype_enum != step.out_specs[k][1]:
             raise AssertionError(f"{node.format()}: graph dtype {t.dtype} differs")
         self._note_dynamic(step, k, t)

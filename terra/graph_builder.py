@@ -48,9 +48,10 @@ from tensorflow.python.framework import constant_op, ops
 
 from terra import commit, path, regions
 from terra.config import config
-from terra.emitter import Emitter, KeepUnrolled, NotSymbolic
+from terra.emitter import Emitter
 from terra.graph_ops import EXACT_OFF
 from terra.keys import exports_of, producer_key
+from terra.loop_emission import KeepUnrolled
 from terra.loops import roll
 from terra.nodes import NodeKind, SlotKind
 from terra.plan import (
@@ -62,6 +63,7 @@ from terra.plan import (
 )
 from terra.precompile import argument_spec
 from terra.queues import Channel
+from terra.region_emission import NotSymbolic
 from terra.xla import compile_segments
 
 _names = itertools.count()

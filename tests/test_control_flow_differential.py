@@ -357,7 +357,7 @@ def test_where_the_gradient_through_the_while_fails_the_loop_stays_unrolled(monk
     def no_gradient(*args, **kwargs):
         raise LookupError("no gradient registered (simulated)")
 
-    monkeypatch.setattr("terra.emitter.gradients_impl.gradients", no_gradient)
+    monkeypatch.setattr("terra.region_emission.gradients_impl.gradients", no_gradient)
     outcome = assert_same_as_eager(shared_layer_repeated, 24, max_traces=5,
                                    expect_fallbacks=(0, 0), min_coexecuted=8)
     assert "0 while loops" in outcome.explain, outcome.report()

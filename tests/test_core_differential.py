@@ -628,7 +628,7 @@ def test_where_the_symbolic_gradient_fails_the_recorded_ops_are_used(monkeypatch
     def no_gradient(*args, **kwargs):
         raise LookupError("no gradient registered (simulated)")
 
-    monkeypatch.setattr("terra.emitter.gradients_impl.gradients", no_gradient)
+    monkeypatch.setattr("terra.region_emission.gradients_impl.gradients", no_gradient)
     outcome = assert_same_as_eager(boolean_mask_program, 2 * STEPS, expect_fallbacks=(0, None),
                                    max_traces=2 * STEPS, min_coexecuted=1)
     assert outcome.stats.phase != "eager", outcome.report()
