@@ -209,8 +209,11 @@ class GraphLifecycle:
         return self.ledger.first_graph(*self._size) is None
 
     def _rebuild_allowed(self) -> bool:
-        return self.ledger.rebuild_allowed(self._stats.graph_generations - 1,
-                                           config.free_rebuilds)
+        """Whether to build the graph again now (``Ledger.rebuild_allowed``). A graph built
+        from two or more paths gets no free rebuild: its program draws its paths, and a
+        path it had not drawn yet is a detour until the budget affords the graph again."""
+        free = config.free_rebuilds if (self._built_from or 0) < 2 else 0
+        return self.ledger.rebuild_allowed(self._stats.graph_generations - 1, free)
 
     # -- graphs ---------------------------------------------------------------------------
     @profiling.traced("terra_generate")
@@ -295,8 +298,13 @@ class GraphLifecycle:
         over the budget) and the previous iteration co-executed, so the graph still serves
         the program: a site that keeps failing then costs the iterations that reach it, not
         the whole run. Two in a row mean the path has changed: that fallback traces, as any
-        other."""
-        return (fallbacks_in_a_row == 1 and self._stats.graph_generations > 0
+        other; unless the graph was built from two or more paths (``terra.census``), whose
+        program draws its paths: misses in a row are then chance, and the graph is kept for
+        all but the last before ``config.max_fallbacks_in_a_row`` (which gives up): that
+        one traces and waits for the budget, as the second of a graph of one path does."""
+        drawn = (self._built_from or 0) >= 2
+        in_a_row = config.max_fallbacks_in_a_row - 1 if drawn else 2
+        return (fallbacks_in_a_row < in_a_row and self._stats.graph_generations > 0
                 and not self._rebuild_allowed())
 
     def note_detour(self, where):

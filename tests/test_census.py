@@ -81,11 +81,11 @@ STEPS = 48
 ACTIVATIONS = (tf.nn.relu, tf.nn.tanh, tf.nn.sigmoid, tf.nn.elu)
 
 
-def random_path_program(tape_cls, steps):
+def random_path_program(tape_cls, steps, seed=0):
     """Each step draws, with Python's ``random``, one of four activations for the hidden
     layer, as SDPoint draws its down-sampling point: four paths, one at random."""
     data, model, optimizer, loss_fn = mlp_task(steps)
-    draw = random.Random(0)
+    draw = random.Random(seed)
     dense, head = model.layers
     losses = []
     for step in range(steps):
@@ -115,3 +115,21 @@ def test_without_the_census_the_graph_is_built_before_the_paths_are_known():
     finally:
         terra.configure(new_path_risk=0.1)
     assert outcome.stats.graph_generations > 1, outcome.report()
+
+
+def drawn_paths_on_a_budget(tape_cls, steps):
+    """``random_path_program`` drawing a sequence whose traces see three of the four paths
+    before the census is content, under Terra's default budget (in a child process)."""
+    if tape_cls is terra.TerraGradientTape:
+        terra.configure(budget=0.05, min_saving=float("-inf"))  # the first graph: built
+    return random_path_program(tape_cls, steps, seed=13)
+
+
+def test_a_path_a_graph_of_drawn_paths_lacks_is_a_detour_not_a_free_rebuild():
+    # the program draws its paths: a rebuild for the fourth must be afforded (a short run
+    # never does), so its iterations run eagerly from the divergence, the rest co-execute
+    outcome = assert_same_as_eager(drawn_paths_on_a_budget, STEPS, max_traces=20,
+                                   expect_fallbacks=(1, None), min_coexecuted=STEPS // 2,
+                                   env={})
+    assert outcome.stats.graph_generations == 1, outcome.report()
+    assert "detour" in outcome.explain, outcome.report()
