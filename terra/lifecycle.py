@@ -148,7 +148,7 @@ class GraphLifecycle:
         the first graph, tracing on is spending the budget must afford, as a rebuild beyond
         the free ones (``Ledger.affordable``); where it does not, the graph is built again
         or the runtime waits, as ``should_generate`` says."""
-        if self._built_from is not None and self._built_from < 2 or \
+        if self._built_from is not None and not self._draws() or \
                 self._stats.graph_generations and not self.ledger.affordable():
             return True  # (should_generate says whether to build or wait)
         chance = self.census.new_path_chance(self.tracegraph.trips, self._stats.coexecuted)
@@ -212,8 +212,13 @@ class GraphLifecycle:
         """Whether to build the graph again now (``Ledger.rebuild_allowed``). A graph built
         from two or more paths gets no free rebuild: its program draws its paths, and a
         path it had not drawn yet is a detour until the budget affords the graph again."""
-        free = config.free_rebuilds if (self._built_from or 0) < 2 else 0
+        free = 0 if self._draws() else config.free_rebuilds
         return self.ledger.rebuild_allowed(self._stats.graph_generations - 1, free)
+
+    def _draws(self) -> bool:
+        """Whether the graph in place was built from two or more paths: the program draws
+        its paths (``terra.census``)."""
+        return (self._built_from or 0) >= 2
 
     # -- graphs ---------------------------------------------------------------------------
     @profiling.traced("terra_generate")
@@ -302,8 +307,7 @@ class GraphLifecycle:
         program draws its paths: misses in a row are then chance, and the graph is kept for
         all but the last before ``config.max_fallbacks_in_a_row`` (which gives up): that
         one traces and waits for the budget, as the second of a graph of one path does."""
-        drawn = (self._built_from or 0) >= 2
-        in_a_row = config.max_fallbacks_in_a_row - 1 if drawn else 2
+        in_a_row = config.max_fallbacks_in_a_row - 1 if self._draws() else 2
         return (fallbacks_in_a_row < in_a_row and self._stats.graph_generations > 0
                 and not self._rebuild_allowed())
 
