@@ -128,8 +128,9 @@ def drawn_paths_on_a_budget(tape_cls, steps):
 def test_a_path_a_graph_of_drawn_paths_lacks_is_a_detour_not_a_free_rebuild():
     # the program draws its paths: a rebuild for the fourth must be afforded (a short run
     # never does), so its iterations run eagerly from the divergence, the rest co-execute
+    # (until the ledger judges them, after five: on a loaded machine a step this small may
+    # not beat eager, and Terra then stops, which is the budget's business, not this test's)
     outcome = assert_same_as_eager(drawn_paths_on_a_budget, STEPS, max_traces=20,
-                                   expect_fallbacks=(1, None), min_coexecuted=STEPS // 2,
-                                   env={})
+                                   expect_fallbacks=(1, None), min_coexecuted=5, env={})
     assert outcome.stats.graph_generations == 1, outcome.report()
     assert "detour" in outcome.explain, outcome.report()
