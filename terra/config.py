@@ -136,7 +136,7 @@ class Config:
     budget: float = 0.05
     free_rebuilds: int = 2
     min_saving: float = 0.05
-    new_path_risk: float = 0.1
+    new_path_risk: float = 0.2
     verbosity: int = 0
     verify: int = 0
     verify_rtol: float = 1e-5
@@ -159,7 +159,7 @@ class Config:
             budget=float(os.environ.get("TERRA_BUDGET", "0.05")),
             free_rebuilds=int(os.environ.get("TERRA_FREE_REBUILDS", "2")),
             min_saving=float(os.environ.get("TERRA_MIN_SAVING", "0.05")),
-            new_path_risk=float(os.environ.get("TERRA_NEW_PATH_RISK", "0.1")),
+            new_path_risk=float(os.environ.get("TERRA_NEW_PATH_RISK", "0.2")),
             verbosity=int(os.environ.get("TERRA_VERBOSITY", "0")),
             verify=int(os.environ.get("TERRA_VERIFY", "0")),
             verify_rtol=float(os.environ.get("TERRA_VERIFY_RTOL", "1e-5")),
