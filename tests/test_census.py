@@ -1,5 +1,6 @@
-"""``terra.census``: the chance of a new path, from the paths hand-written traces took; and a
-program that draws its path at random gets one graph that serves all of them."""
+"""``terra.census``: the chance of a new path, from the paths hand-written traces took; a
+program that draws its path at random gets one graph that serves all of them; and a path the
+graph of such a program lacks is a detour under the budget, not a free rebuild."""
 
 import random
 
@@ -68,6 +69,16 @@ def test_iterations_a_graph_served_make_a_path_met_once_a_rare_one():
         census.add(graph.merge(branch_trace(op_type))[1])
     assert census.new_path_chance(graph.trips) == 1 / 3
     assert census.new_path_chance(graph.trips, served=17) == 1 / 20
+
+
+def test_traces_before_a_restart_are_no_samples():
+    # a trace recorded while a region was on (turned off at its end) never recurs
+    graph, census = TraceGraph(), PathCensus()
+    census.add(graph.merge(branch_trace("Sigmoid"))[1])
+    census.restart()
+    for _ in range(2):
+        census.add(graph.merge(branch_trace("Tanh"))[1])
+    assert len(census) == 2 and census.new_path_chance(graph.trips) == 0.0
 
 
 def test_the_census_counts_the_last_traces_only():
