@@ -23,6 +23,21 @@ from tiny_models import classification_data, mlp, mlp_task, sparse_xent, state
 
 import terra
 
+
+@pytest.fixture(autouse=True)
+def _first_covered_trace_builds(monkeypatch):
+    """Keras' progress bar (``verbose=1``) prints on wall-clock time, and a print issues ops
+    (the means it shows): which iterations take that path depends on how fast the machine
+    runs. These tests are about ``fit``'s protocol (epoch ends, callbacks, logs), so the graph
+    is built at the first covered trace, as they were written for; the path census would
+    trace on over the timing-dependent paths (architecture.md 3.22), more on a loaded
+    machine. Set for this process and for the child processes of ``env=``."""
+    monkeypatch.setenv("TERRA_NEW_PATH_RISK", "1.0")
+    risk = terra.config.config.new_path_risk
+    terra.configure(new_path_risk=1.0)
+    yield
+    terra.configure(new_path_risk=risk)
+
 FEATURES, CLASSES, BATCH = 20, 5, 16
 LEGACY = {"TF_USE_LEGACY_KERAS": "1"}
 _METRIC = re.compile(r"(\w+): ([-+]?\d+\.\d+(?:e[-+]?\d+)?)")
