@@ -54,7 +54,7 @@ class PathCensus:
 
     def paths(self, trips) -> int:
         """How many different paths (sets of edges) the sampled traces took."""
-        return len(set(self._sampled(trips)))
+        return len(set(self._sampled(self._signed(trips))))
 
     def new_path_chance(self, trips, served: int = 0) -> float:
         """The leave-one-out estimate that the next iteration goes along an edge none of the
@@ -64,14 +64,14 @@ class PathCensus:
         nodes -> its trips' nodes)."""
         if not self._samples:
             return 1.0
-        uses = collections.Counter(edge for edges in self._signed(trips) for edge in edges)
-        samples = self._sampled(trips)
+        signatures = self._signed(trips)
+        uses = collections.Counter(edge for edges in signatures for edge in edges)
+        samples = self._sampled(signatures)
         alone = sum(1 for edges in samples if any(uses[e] == 1 for e in edges))
         return alone / (len(samples) + served)
 
-    def _sampled(self, trips):
-        signatures = self._signed(trips)
-        return [signatures[i] for i in range(len(signatures) - self._samples, len(signatures))]
+    def _sampled(self, signatures):
+        return list(signatures)[len(signatures) - self._samples:]
 
     def _signed(self, trips):
         """Every path's edges, a loop's trips read as its first (computed again for all
