@@ -6,11 +6,15 @@ behind ``tf.GradientTape`` for code you cannot edit; nothing else in the loop ch
 
 import tensorflow as tf
 
-from terra.config import configure
-from terra.report import explain
-from terra.runtime import reset, stats
-from terra.tape import TerraGradientTape, disable, enable, enabled
-from terra.verify import DivergenceError, DivergenceWarning
+from terra import pools
+
+pools.quiet()  # before anything of Terra's runs an op: TF reads it when its context starts
+
+from terra.config import configure  # noqa: E402
+from terra.report import explain  # noqa: E402
+from terra.runtime import reset, stats  # noqa: E402
+from terra.tape import TerraGradientTape, disable, enable, enabled  # noqa: E402
+from terra.verify import DivergenceError, DivergenceWarning  # noqa: E402
 
 tf.TerraGradientTape = TerraGradientTape
 

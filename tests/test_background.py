@@ -45,9 +45,11 @@ def test_instantiating_runs_none_of_the_graphs_ops():
                                np.exp(np.abs(-x)), rtol=1e-6)
 
 
-def noisy_batchnorm_program(detour_at=None):
+def noisy_batchnorm_program(detour_at=None, settle_from=None):
     """BatchNorm, Dropout, ``tf.random.normal`` drawn from the global seed, Python's
-    ``random`` in the loss; at ``detour_at`` the loss takes one more op (a new path)."""
+    ``random`` in the loss; at ``detour_at`` the loss takes one more op (a new path). From
+    step ``settle_from`` on, each step first waits (Python only) for an instantiation under
+    way to end, so a test of what follows it does not depend on the machine's speed."""
 
     def program(tape_cls, steps):
         tf.keras.utils.set_random_seed(0)
@@ -61,6 +63,8 @@ def noisy_batchnorm_program(detour_at=None):
         loss_fn = sparse_xent()
         losses = []
         for step in range(steps):
+            if settle_from is not None and step >= settle_from:
+                await_instantiation()
             x, y = batch(data, step, 16)
             with tape_cls() as tape:
                 noisy = x + tf.random.normal(tf.shape(x), stddev=0.01)
@@ -75,6 +79,11 @@ def noisy_batchnorm_program(detour_at=None):
     return program
 
 
+def await_instantiation(timeout=60.0):
+    pending = runtime.get().lifecycle._pending
+    assert pending is None or pending.wait(timeout), "the graph still instantiating after 60 s"
+
+
 def test_iterations_run_while_the_graph_is_instantiated_keep_eagers_numbers():
     outcome = assert_same_as_eager(noisy_batchnorm_program(), 16)
     assert "graph instantiated: in the background" in outcome.explain, outcome.report()
@@ -82,7 +91,7 @@ def test_iterations_run_while_the_graph_is_instantiated_keep_eagers_numbers():
 
 
 def test_a_graph_built_again_after_a_fallback_is_instantiated_in_the_background_too():
-    outcome = assert_same_as_eager(noisy_batchnorm_program(detour_at=14), 24,
+    outcome = assert_same_as_eager(noisy_batchnorm_program(detour_at=14, settle_from=20), 24,
                                    expect_fallbacks=(0, 1), max_traces=4)
     if outcome.stats.fallbacks:
         assert outcome.explain.count("graph instantiated: in the background") == 2, \
