@@ -40,6 +40,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import operator
 import re
 import sys
 import threading
@@ -52,7 +53,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
 from terra import function_regions, runtime
-from terra.library_regions import attributes, changed_names, flatten_call
+from terra.library_regions import Watch, attributes, changed_names, flatten_call
 from terra.location import in_user_loop, user_location
 from terra.nodes import FUNCTION_TOKEN, ExtRef
 from terra.skips import Learn
@@ -235,7 +236,7 @@ class LayerRegions:
         attributes, the call mark's attrs and its tensors."""
         if not layer.built:  # its first call builds it: variables made, no region
             return None
-        before = _attributes(layer)
+        before = _attributes(layer, state.last)
         if state.last is not None and before != state.last:
             return self._off(layer, state, "its Python attributes changed between two calls: "
                              + _changed(layer, state.last, before))
@@ -253,7 +254,7 @@ class LayerRegions:
     def _after(self, layer, state, before):
         """The call ran: one that changed the layer's attributes (after its first call,
         which builds it) or added a loss turns its regions off."""
-        after = _attributes(layer)
+        after = _attributes(layer, before)
         if state.last is not None and after != before:
             self._off(layer, state, "the call changed its Python attributes: "
                       + _changed(layer, before, after))
@@ -306,12 +307,36 @@ def _ineligible(layer):
     return None
 
 
-def _attributes(layer):
+class _Attributes:
+    """The Python attributes of a layer and of every layer inside it (``value``: a tuple of
+    parts per layer, :func:`attributes`), with the layers and the :class:`Watch` that tells
+    cheaply when they are unchanged."""
+
+    __slots__ = ("value", "layers", "watch")
+
+    def __init__(self, value, layers, watch):
+        self.value, self.layers, self.watch = value, layers, watch
+
+    def __eq__(self, other):
+        return self.value == other.value
+
+    __hash__ = None
+
+
+def _attributes(layer, seen=None):
     """The Python attributes of ``layer`` and of every layer inside it (but a model's
-    training-loop state, which its ``call`` does not read: ``fit`` changes it every epoch)."""
+    training-loop state, which its ``call`` does not read: ``fit`` changes it every epoch).
+    ``seen`` (attributes computed before) is returned itself where the same layers and the
+    watch show that nothing changed since."""
+    layers = tuple(layer._flatten_layers())
+    if seen is not None and len(layers) == len(seen.layers) and \
+            all(map(operator.is_, layers, seen.layers)) and seen.watch.unchanged():
+        return seen
     trainer = _trainer_state()
-    return tuple(tuple(a for a in attributes(sub) if a[0] not in trainer)
-                 for sub in layer._flatten_layers())
+    watch = Watch()
+    value = tuple(tuple(a for a in attributes(sub, watch=watch) if a[0] not in trainer)
+                  for sub in layers)
+    return _Attributes(value, layers, watch)
 
 
 @functools.cache
@@ -328,7 +353,8 @@ def _trainer_state():
 def _changed(layer, old, new):
     """Which attributes of which of ``layer``'s layers differ between ``old`` and ``new``."""
     return "; ".join(f"{sub.name}: {changed_names(a, b)}" for sub, a, b in
-                     zip(layer._flatten_layers(), old, new, strict=False) if a != b) or \
+                     zip(layer._flatten_layers(), old.value, new.value, strict=False)
+                     if a != b) or \
         "its layers"
 
 

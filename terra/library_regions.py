@@ -32,6 +32,7 @@ iteration counter (a variable; tf_keras returns its ``assign_add``).
 
 import dataclasses
 import functools
+import operator
 import sys
 import threading
 import weakref
@@ -224,23 +225,50 @@ def _ineligible(opt, region):
     return None
 
 
-def attributes(obj, nested=True):
+def attributes(obj, nested=True, watch=None):
     """The Python attributes of ``obj`` a region's ops may depend on: plain values by value,
     containers by identity and length, anything else by identity (a schedule of the library's
-    also by its own attributes)."""
+    also by its own attributes). ``watch`` (a :class:`Watch`) is told what was read."""
+    d = vars(obj)
+    if watch is not None:
+        watch.bindings.append((d, tuple(d), tuple(d.values())))
     parts = []
-    for name, value in vars(obj).items():
+    for name, value in d.items():
         kind = type(value)
         if kind in _PLAIN:
             parts.append((name, value))
-        elif kind in _CONTAINERS:
+        elif isinstance(value, _CONTAINERS):  # Keras' TrackedList and TrackedDict too
             parts.append((name, id(value), len(value)))
+            if watch is not None:
+                watch.sized.append((value, len(value)))
         elif nested and callable(value) and hasattr(value, "get_config") and \
                 hasattr(value, "__dict__"):
-            parts.append((name, id(value), attributes(value, False)))
+            parts.append((name, id(value), attributes(value, False, watch)))
         else:
             parts.append((name, id(value)))
     return tuple(parts)
+
+
+class Watch:
+    """A quick test that :func:`attributes` would give what it gave: the dicts it read bind
+    the same names to the very same objects (held here, so that no ``id`` is reused) and the
+    containers among them have the same lengths. Where that holds, every part is the same:
+    a plain value is the same object, anything else the same identity. Where it does not,
+    the attributes may still be equal (a float bound anew to the same value): compute them
+    again. A layer's guard reads them at every call; this test costs a fraction of that."""
+
+    __slots__ = ("bindings", "sized")
+
+    def __init__(self):
+        self.bindings = []  # (dict, its names, its values)
+        self.sized = []  # (container, its length)
+
+    def unchanged(self) -> bool:
+        for d, names, values in self.bindings:
+            if len(d) != len(names) or not all(map(operator.is_, d.values(), values)) or \
+                    tuple(d) != names:
+                return False
+        return all(len(c) == n for c, n in self.sized)
 
 
 def changed_names(old, new):
