@@ -160,6 +160,23 @@ def _loops(code) -> tuple:
                  if ins.opcode in _JUMPS and ins.argval <= ins.offset)
 
 
+def _calls(code) -> dict:
+    """A call's offset as a frame may report it -> the offset the call is known by. In
+    CPython 3.11 a call is ``PRECALL`` then ``CALL``; once the code is warm (after some
+    calls or loop trips), a ``PRECALL`` specialized for a builtin (``next(it)``,
+    ``float(x)``) makes the call itself, and a frame suspended in it reports the
+    ``PRECALL``'s offset where it reported the ``CALL``'s before: the same op would have
+    two stacks, one before the code warmed up and one after."""
+    calls, pending = {}, None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "PRECALL":
+            pending = ins.offset
+        elif ins.opname == "CALL" and pending is not None:
+            calls[pending] = ins.offset
+            pending = None
+    return calls
+
+
 class Sites:
     """The executed locations of one runtime: the interned call stacks (shared by all its
     traces, so sites compare across iterations) and this iteration's occurrence counts.
@@ -179,10 +196,11 @@ class Sites:
 
     def __init__(self):
         self._nodes: dict[tuple, int] = {}  # (node above, id(code), offset) -> node
-        # id(code) -> (code, internal, library, resumable): the code is kept alive, so its
-        # id stays its own (a code object's own hash digests its bytecode: slow)
+        # id(code) -> (code, internal, library, resumable, _calls(code)): the code is kept
+        # alive, so its id stays its own (a code object's own hash digests its bytecode: slow)
         self._codes: dict[int, tuple] = {}
-        self._anchor = frozenset()
+        self._anchor = frozenset()  # ids of the frames running the loop: a stack stops there
+        self._anchor_frames = ()  # those frames, held: see begin_iteration
         self._counts: dict[int, int] = {}
         # the last stack walked, outermost first: (frame, node above it, user's location
         # above it), and id(frame) -> its index (the frames are held: the ids are theirs)
@@ -191,21 +209,34 @@ class Sites:
 
     def begin_iteration(self):
         """Called from the outermost tape's ``__enter__``: the frames above the one entering
-        it run the training loop, so a stack stops at the first of them."""
+        it run the training loop, so a stack stops at the first of them. They are held until
+        the iteration ends (:meth:`release`): one that returns meanwhile (the loop's helper
+        around a step, called again to draw the next batch before the next tape) keeps its
+        id, so a new frame CPython puts in its place is not taken for it. A stack walked
+        from that new frame goes on to the frames still running the loop, the same in every
+        iteration; known by ids alone, the walk stopped there in some iterations only."""
         self.release()
         f = sys._getframe(1)
         while f is not None and _is_internal(f.f_code.co_filename):
             f = f.f_back
-        anchor = set()
+        anchor = []
         f = f.f_back if f is not None else None
         while f is not None:
-            anchor.add(id(f))  # ids only: holding frames would keep their locals alive
+            anchor.append(f)
             f = f.f_back
-        self._anchor = frozenset(anchor)
+        self._anchor_frames = tuple(anchor)
+        self._anchor = frozenset(map(id, anchor))
         self._counts = {}
 
     def release(self):
-        """Let go of the frames of the last stack walked (and the locals they hold)."""
+        """Let go of the frames of the last stack walked and of the frames that ran the
+        loop (and the locals they hold): the iteration is over. Its stand-ins are swept
+        next, and a frame held here would keep one alive."""
+        self._forget_chain()
+        self._anchor_frames = ()
+        self._anchor = frozenset()
+
+    def _forget_chain(self):
         self._chain.clear()
         self._at.clear()
 
@@ -214,7 +245,7 @@ class Sites:
         if info is None:
             name = code.co_filename
             info = self._codes[id(code)] = (code, _is_internal(name), _is_library(name),
-                                            bool(code.co_flags & _RESUMABLE))
+                                            bool(code.co_flags & _RESUMABLE), _calls(code))
         return info
 
     def locate(self, frame=None) -> tuple[Location | None, int]:
@@ -238,7 +269,7 @@ class Sites:
                 break
             f = f.f_back
         if f is None:  # nothing of the last stack is still running
-            self.release()
+            self._forget_chain()
             node, loc = self._ROOT, None
             top = new[-1].f_back if new else None
             if top is not None:  # the user's line may be above the loop (Keras' fit)
@@ -254,11 +285,13 @@ class Sites:
             at[id(g)] = len(chain)
             chain.append((g, node, loc))
             code = g.f_code
-            key = (node, id(code), g.f_lasti)
+            info = codes.get(id(code)) or code_info(code)
+            offset = g.f_lasti
+            key = (node, id(code), info[4].get(offset, offset))
             node = nodes.get(key)
             if node is None:
                 node = nodes[key] = len(nodes)
-            if not (codes.get(id(code)) or code_info(code))[2]:
+            if not info[2]:
                 loc = Location(code.co_filename, g.f_lineno, code.co_name)
         return loc, node
 

@@ -11,10 +11,11 @@ from terra.location import Sites
 
 def full_stack(anchor_frame):
     """The reference: every frame from the caller's caller up to and including
-    ``anchor_frame``, as (code, instruction offset)."""
+    ``anchor_frame``, as (code, instruction offset), a call's ``PRECALL`` read as its
+    ``CALL`` (``location._calls``: warm code reports the one, cold code the other)."""
     f, parts = sys._getframe(2), []
     while f is not None:
-        parts.append((f.f_code, f.f_lasti))
+        parts.append((f.f_code, location._calls(f.f_code).get(f.f_lasti, f.f_lasti)))
         if f is anchor_frame:
             break
         f = f.f_back
@@ -164,3 +165,38 @@ def test_the_loop_around_the_iterations_entry_does_not_count():
         return found
 
     assert _frames_in(training) == [False, True, False, True]
+
+
+def test_a_new_call_of_a_function_around_the_last_tape_is_not_taken_for_it():
+    """The loop's own helper (``run(program, 1)``: draw a batch, step) returns after each
+    step, and its next call draws the next batch before the next tape opens: an op of the
+    last iteration, from a new frame of a function that ran it. Wherever CPython puts the
+    new frame (often where the last one was), its stack is the same: once the anchor was
+    known by frame ids, a reused id cut the stack short in some iterations and not in
+    others, and the TraceGraph got two nodes for one op (a branch point, more traces, and a
+    node whose shapes were never relaxed)."""
+    sites = Sites()
+    kept = []
+
+    def draw():
+        while True:
+            yield sites.stack(sys._getframe(0))
+
+    def step():
+        sites.begin_iteration()  # the tape's enter: the frames above run the loop
+
+    def one_step(g, keep):
+        if keep:
+            kept.append(sys._getframe())  # a frame kept alive: its id is no other's
+        sid = next(g)
+        step()
+        return sid
+
+    def iterations(g, keep):
+        return [one_step(g, keep) for _ in range(4)]
+
+    g = draw()
+    held = iterations(g, True)[1:]  # the first: from a new comprehension's frame, another stack
+    kept.clear()
+    freed = iterations(g, False)[1:]
+    assert len(set(held)) == 1 and set(freed) == set(held), (held, freed)
