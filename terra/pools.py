@@ -19,6 +19,8 @@ import os
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 
+from terra.config import _env_flag
+
 _FEW_CORES = 4
 
 # Whether the pools are quiet, and if not why, decided once, when Terra is imported.
@@ -33,10 +35,7 @@ def _cores() -> int:
 
 
 def _wanted() -> bool:
-    value = os.environ.get("TERRA_QUIET_POOLS")
-    if value is None:
-        return _cores() <= _FEW_CORES
-    return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return _env_flag("TERRA_QUIET_POOLS", default=_cores() <= _FEW_CORES)
 
 
 def quiet() -> None:
@@ -65,4 +64,5 @@ def status() -> str | None:
 
 
 def is_quiet() -> bool:
+    """Whether Terra turned spinning off in the eager context's config."""
     return _state["quiet"]
