@@ -249,3 +249,23 @@ def test_a_constant_that_varied_at_one_node_of_a_line_is_fed_at_every_node_of_it
     g.merge(resize_trace(True, 8))  # observed again: stays fed
     assert resizes[1].inputs[1].kind is SlotKind.FEED, str(g)
     g.lint()
+
+
+def library_trace(counter):
+    """Two ``AddV2`` of a library's, from two call stacks inside one call of the user's (one
+    user line, as every op of a Keras ``fit`` has): the first adds a step counter that
+    changes every iteration, the second a constant that never does."""
+    first = op_at(at(42), "AddV2", ext(np.ones((4, 3))), ExtRef(tf.constant(float(counter))))
+    second = op_at(at(42), "AddV2", OpRef(0, 0), ExtRef(tf.constant(5.0)))
+    second.site = (43, 0)  # the same user line, another call stack
+    return [first, second]
+
+
+def test_a_constant_that_varied_is_fed_only_where_its_call_stack_issued_it():
+    g = TraceGraph()
+    for counter in (1, 2, 3):
+        g.merge(library_trace(counter))
+    first, second = (n for n in g.nodes if n.op_type == "AddV2")
+    assert first.inputs[1].kind is SlotKind.FEED, str(g)
+    assert second.inputs[1].kind is SlotKind.CONST, str(g)
+    g.lint()
