@@ -23,8 +23,8 @@ from terra.config import _env_flag
 
 _FEW_CORES = 4
 
-# Whether the pools are quiet, and if not why, decided once, when Terra is imported.
-_state = {"quiet": False, "why": None}
+# Why the pools spin though Terra would have them quiet (for explain), decided at import.
+_state = {"why": None}
 
 
 def _cores() -> int:
@@ -41,21 +41,19 @@ def _wanted() -> bool:
 def quiet() -> None:
     """Turn thread spinning off in the eager context's config, if wanted and still possible."""
     if not _wanted():
-        _state.update(quiet=False, why=None)
         return
     ctx = context.context()
     if ctx._initialized:  # TF has no public accessor
-        _state.update(quiet=False, why=(
+        _state["why"] = (
             "TensorFlow had run ops before Terra was imported, so its thread pools spin when "
             "they run out of work and take CPU from the loop's thread while the graph waits "
-            "for feeds: import terra before the first TensorFlow op"))
+            "for feeds: import terra before the first TensorFlow op")
         return
     proto = config_pb2.ConfigProto()
     if ctx._config is not None:  # a config given to enable_eager_execution
         proto.CopyFrom(ctx._config)
     proto.experimental.disable_thread_spinning = True
     ctx._config = proto
-    _state.update(quiet=True, why=None)
 
 
 def status() -> str | None:
@@ -64,5 +62,7 @@ def status() -> str | None:
 
 
 def is_quiet() -> bool:
-    """Whether Terra turned spinning off in the eager context's config."""
-    return _state["quiet"]
+    """Whether the eager context's config has spinning off."""
+    ctx = context.context_safe()
+    return ctx is not None and ctx._config is not None and \
+        ctx._config.experimental.disable_thread_spinning

@@ -44,8 +44,9 @@ def explain(verbose: bool = False) -> str:
         lines.append(f"co-executed iterations: {s.coexec_wall:.2f}s wall; CPU {s.python_cpu:.2f}s "
                      f"in the loop's thread, {s.graph_cpu:.2f}s in the others (the graph); "
                      f"{s.snapshots} snapshot(s) of the written variables")
-        if pools.status():
-            lines.append(pools.status())
+        spinning = pools.status()
+        if spinning:
+            lines.append(spinning)
     lines.extend(rt.syncs.report(s.graph_idle, limit=None if verbose else _MAX_SYNCS))
     if verbose:
         lines.extend(f"{what}{_at(loc)}: {reason}" for what, reason, loc in rt.events)
