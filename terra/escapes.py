@@ -6,6 +6,11 @@ which would otherwise live on and look like an escape to the next trace; the oth
 until Python drops them, and at the end of a matched path given their values (:func:`finish`)
 or reported, so that the runtime falls back and the replay gives them theirs. Whether Python
 still holds a stand-in is read off its reference count, minus the references Terra holds.
+
+A dropped stand-in that nothing else can tell apart from a fresh copy (no attribute set on it,
+no weak reference to it, and no gradient tape alive that may have recorded its id) goes back
+to the runner's spares (``StandIns.spare``) instead of being freed: the next op of its spec
+hands it out again, under a new entry, for the cost of a list pop instead of a tensor copy.
 """
 
 import functools
@@ -13,18 +18,21 @@ import sys
 import types
 import weakref
 
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import ops
 
 _EagerTensor = ops.EagerTensor
+_no_tapes = pywrap_tfe.TFE_Py_TapeSetIsEmpty
+_weakrefs = weakref.getweakrefcount
 
 
-def finish(it, tensors, unread, held=None):
+def finish(it, tensors, unread, held=None, spare=None):
     """Sweep the ended iteration ``it`` (unless ``held``, what a sweep already returned):
     give the entries Python still holds their values (``unread``: the values its fetch
     channels held that nobody read, by step, visit and output) and return those the graph
     gave none. If none, the iteration is released."""
     uncovered = []
-    for e in sweep(it, tensors) if held is None else held:  # Python still holds it
+    for e in sweep(it, tensors, spare) if held is None else held:  # Python still holds it
         if e.value is None:
             e.value = unread.get((e.step, e.visit, e.out))
             if e.value is None:
@@ -34,18 +42,21 @@ def finish(it, tensors, unread, held=None):
     return uncovered
 
 
-def sweep(it, tensors):
+def sweep(it, tensors, spare=None):
     """Forget the entries of the iteration ``it`` whose stand-ins Python has dropped, from
-    the hook table ``tensors``. Return the others; each is forgotten when Python drops its
-    stand-in."""
+    the hook table ``tensors``, and put those stand-ins among the ``spare`` ones (by spec)
+    where they can be handed out again. Return the other entries; each is forgotten when
+    Python drops its stand-in."""
     held, it.entries = it.entries, []
     # the custom gradients kept for a replay hold stand-ins in their closures: those
     # references are Terra's, not Python's
     ours = _closure_refs(it.customs) if it.customs else {}
+    if spare is not None and not _no_tapes():  # a tape may hold the stand-ins' ids
+        spare = None
     while True:
         # A dropped stand-in can hold others (Keras 3 sets ``_keras_mask`` on tensors):
         # once it is gone they may be dropped too, so sweep until nothing more goes.
-        pending, held = held, [pair for pair in held if _held(pair, tensors, ours)]
+        pending, held = held, [pair for pair in held if _held(pair, tensors, ours, spare)]
         if len(held) == len(pending):
             break
         del pending
@@ -61,12 +72,18 @@ def unfetchable(held):
     return any(e.value is None and e.step.fetch[e.out] is None for e in held)
 
 
-def _held(pair, tensors, ours):
+def _held(pair, tensors, ours, spare):
     """Whether Python still holds the stand-in of an (entry, stand-in) pair (``ours``: the
-    references Terra holds elsewhere, by id); if not, forget its entry."""
+    references Terra holds elsewhere, by id); if not, forget its entry, and keep the
+    stand-in as a spare if it is one no one can tell from a fresh copy."""
     e, t = pair
     if sys.getrefcount(t) <= _BASE_REFS + (e.value is t) + ours.get(id(t), 0):
         tensors.pop(t._id, None)
+        if spare is not None and e.value is not t and id(t) not in ours and \
+                not t.__dict__ and not _weakrefs(t):
+            kept = spare.get((t._shape_tuple(), t._datatype_enum()))
+            if kept is not None:
+                kept.append(t)
         return False
     return True
 

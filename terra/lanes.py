@@ -6,9 +6,10 @@ iterations mostly issue the very same op there again. A :class:`Lane`, built fro
 for the edge into that step, answers it with what the general path does in its common case,
 and nothing else: the op type and the raw attr tuple already validated, each input checked
 by a test precomputed from its slot (a stand-in of this iteration from the one producer, a
-constant's memo or bytes, a variable's or capture's identity), stand-ins copied from the
-step's dummies, the step logged and passed. Anything else, from a Python value never
-validated before to a step at the path's end, is a :data:`MISS`: nothing was done yet, and
+constant's memo, identity or bytes, a variable's or capture's identity), stand-ins taken
+from the spares or copied from the step's dummies, the step logged and passed. Anything
+else, from a Python value never validated before to a step at the path's end, is a
+:data:`MISS`: nothing was done yet, and
 the general path handles the op, with its checks and its messages. So a lane changes how
 fast an op is matched, never whether it matches.
 
@@ -29,10 +30,15 @@ _EagerTensor = ops.EagerTensor
 _tape_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 
 MISS = object()  # "take the general path": the lane did nothing
+_NOTHING = object()  # no Python value matched yet
+_IMMUTABLE = (int, float, bool, tuple)  # those value_key knows (a tuple: of scalars)
 
 # How one input is checked (the first element of a Lane's check tuples).
 _NODE = 0  # (_NODE, producer node, output): a stand-in of this iteration from that output
-_CONST = 1  # (_CONST, slot, fed key or None): the slot's constant value
+# (_CONST, slot, fed key or None, [the last immutable Python value matched]): the slot's
+# constant value; a Python literal is the same object at every call, so its identity is
+# enough once its value was found among the slot's (a list or an array may have changed)
+_CONST = 1
 _SAME_TENSOR = 2  # (_SAME_TENSOR, tensor id, fed key or None): that very tensor
 
 
@@ -40,9 +46,9 @@ class Lane:
     """The edge into ``step`` from a step with no other successor: what matching an op
     there needs, precomputed (``checks`` per input, ``plan`` to pack the results)."""
 
-    __slots__ = ("step", "op_type", "n", "info", "attrs", "checks", "plan", "dummies")
+    __slots__ = ("step", "op_type", "n", "info", "attrs", "checks", "plan", "sources")
 
-    def __init__(self, step, info, attrs, checks, plan, dummies):
+    def __init__(self, step, info, attrs, checks, plan, sources):
         self.step = step
         self.op_type = step.op_type
         self.info = info
@@ -50,9 +56,9 @@ class Lane:
         self.attrs = attrs  # the raw fast-path attr tuple validated at this step
         self.checks = checks
         self.plan = plan
-        # the dummies the stand-ins copy, per output; None where the output shapes follow
-        # the input shapes (looked up per call)
-        self.dummies = dummies
+        # per output, the dummy the stand-ins copy and its spares (StandIns.spare); None where
+        # the output shapes follow the input shapes (looked up per call)
+        self.sources = sources
 
 
 def build(runner, cur, step, info, attrs, plan):
@@ -74,15 +80,18 @@ def build(runner, cur, step, info, attrs, plan):
                 not runner.step_of[slot.alts[0][0]].looped:
             checks.append((_NODE, *slot.alts[0]))
         elif kind is SlotKind.CONST:
-            checks.append((_CONST, slot, fed))
+            checks.append((_CONST, slot, fed, [_NOTHING]))
         elif kind is SlotKind.VAR or kind is SlotKind.CAPTURE:
             checks.append((_SAME_TENSOR, slot.tensor._id, fed if kind is SlotKind.CAPTURE
                            else None))
         else:
             return False
-    dummies = None if step.check_shapes else \
-        [runner.standins.dummies[spec] for spec in step.out_specs]  # made by the general path
-    return Lane(step, info, attrs, tuple(checks), plan, dummies)
+    sources = None
+    if not step.check_shapes:
+        sources = _sources(runner.standins, step.out_specs)  # made by the general path
+        if sources is None:
+            return False
+    return Lane(step, info, attrs, tuple(checks), plan, sources)
 
 
 def follow(runner, lane, args):
@@ -103,8 +112,13 @@ def follow(runner, lane, args):
     for a, check in zip(flat, checks):
         code = check[0]
         if type(a) is not _EagerTensor:
-            if code != _CONST or value_key(a) not in memo.known.get(id(check[1]), ()):
+            if code != _CONST:
                 return MISS
+            if a is not check[3][0]:
+                if value_key(a) not in memo.known.get(id(check[1]), ()):
+                    return MISS
+                if type(a) in _IMMUTABLE:
+                    check[3][0] = a
         elif code == _NODE:
             e = tensors.get(a._id)
             if e is None or e.iteration is not it or e.step.node is not check[1] or \
@@ -133,10 +147,10 @@ def follow(runner, lane, args):
             fed[check[2]] = a._id
         logged.append(a)
     step = lane.step
-    dummies = lane.dummies
-    if dummies is None:
-        dummies = _shaped_dummies(runner, step, flat)
-        if dummies is None:
+    sources = lane.sources
+    if sources is None:
+        sources = _shaped_sources(runner, step, flat)
+        if sources is None:
             return MISS
     # matched: from here on, what the general path does once its checks passed
     if consts is not None:
@@ -149,8 +163,8 @@ def follow(runner, lane, args):
     seq = runner.seq
     visit = runner.visits.get(step, 0)
     outs, entries = [], []
-    for k, dummy in enumerate(dummies):
-        s = dummy._copy_to_device(device)
+    for k, (dummy, spare) in enumerate(sources):
+        s = spare.pop() if spare else dummy._copy_to_device(device)
         e = Entry(runner, it, step, k, static[k], visit, seq)
         tensors[s._id] = e
         escaping.append((e, s))
@@ -166,16 +180,20 @@ def follow(runner, lane, args):
     return outs[0] if plan == "one" else pack_fast(plan, outs)
 
 
-def _shaped_dummies(runner, step, flat):
-    """The dummies of ``step``'s outputs for the input shapes of ``flat`` (a step whose output
-    shapes follow them): where a trace had these shapes or the shape function was asked
-    about them before (``StandIns.specs``) and the dummies exist; else None."""
+def _sources(standins, specs):
+    """Per spec, its dummy and spares (a list never rebound); None if a dummy is missing."""
+    dummies, spare = standins.dummies, standins.spare
+    if not all(spec in dummies for spec in specs):
+        return None
+    return [(dummies[spec], spare[spec]) for spec in specs]
+
+
+def _shaped_sources(runner, step, flat):
+    """The dummies and spares of ``step``'s outputs for the input shapes of ``flat`` (a step
+    whose output shapes follow them): where a trace had these shapes or the shape function
+    was asked about them before (``StandIns.specs``) and the dummies exist; else None."""
     key = tuple(a._shape_tuple() if type(a) is _EagerTensor else np.shape(a) for a in flat)
     specs = step.node.sigs.get(key)
     if specs is None:
         specs = runner.standins.inferred.get((step, key))
-    if specs is None:
-        return None
-    dummies = runner.standins.dummies
-    found = [dummies.get(spec) for spec in specs]
-    return None if None in found else found
+    return None if specs is None else _sources(runner.standins, specs)

@@ -431,7 +431,7 @@ class PythonRunner(TapeEvents, RegionSkips):
             if self.graph.commit is not None and not job.committed:
                 if not commit.ready(self.graph, job, self.waiting, self.cur, closing):
                     return  # an op, a read or Terra itself may still fall back
-                it.held = escapes.sweep(it, self.tensors)  # finish() gives them values
+                it.held = self.sweep(it)  # finish() gives them values
                 self._commit(self.verifying() or escapes.unfetchable(it.held))
             self.waiting.job(job, self.cur)
         except GraphFailed as g:
@@ -444,12 +444,13 @@ class PythonRunner(TapeEvents, RegionSkips):
         them their values, taking the fetched values nobody read so the unbounded channels do
         not grow. Returns the kept entries the graph gave no value."""
         it = self.it
-        return escapes.finish(it, self.tensors, self.waiting.unread(it), it.held)
+        return escapes.finish(it, self.tensors, self.waiting.unread(it), it.held,
+                              self.standins.spare)
 
     def sweep(self, it):
         """Forget the entries of ``it`` whose stand-ins Python has dropped; return the others
-        (``escapes.sweep``)."""
-        return escapes.sweep(it, self.tensors)
+        (``escapes.sweep``), keeping the dropped stand-ins as spares."""
+        return escapes.sweep(it, self.tensors, self.standins.spare)
 
 
 # Where the runner is once an iteration has ended at a branch point or before its path's end:

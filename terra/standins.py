@@ -1,9 +1,11 @@
 """Stand-ins: what the PythonRunner hands Python in place of the outputs of an op it matched.
 
 A stand-in is a real EagerTensor of the output's shape and dtype, so ``.shape``, ``.dtype``
-and Keras' bookkeeping keep working while the graph computes the value: a fresh copy (a new
+and Keras' bookkeeping keep working while the graph computes the value: a copy (its own
 ``_id``) of one dummy per ``(shape, dtype)``. Its :class:`Entry` in the hook table says which
-node output it stands for; Python materializing it fetches the value (section 3.7). Where an
+node output it stands for; Python materializing it fetches the value (section 3.7). A copy
+Python has dropped is a *spare*: the sweep at an iteration's end (``terra.escapes``) gives it
+back, and the next op of its spec hands it out again with a new entry instead of copying. Where an
 op's output shapes vary with its input shapes, :meth:`StandIns.specs` finds them: by the
 input shapes the traces had, else from the op's shape function.
 """
@@ -90,6 +92,9 @@ class StandIns:
         self.device = context.context().device_name or \
             "/job:localhost/replica:0/task:0/device:CPU:0"
         self.dummies = {}  # (shape, dtype) -> the tensor stand-ins of that spec copy
+        # (shape, dtype) -> copies of its dummy that no one holds, handed out again (the
+        # list is made with the dummy and never rebound: a lane keeps it)
+        self.spare = {}
         self.inferred = {}  # (step, input shapes) -> output specs from the shape function
 
     def make(self, it, step, specs, visit, seq, start=0):
@@ -103,7 +108,8 @@ class StandIns:
             dummy = dummies.get(spec)
             if dummy is None:
                 dummy = self._dummy(spec)
-            s = dummy._copy_to_device(device)
+            spare = self.spare[spec]
+            s = spare.pop() if spare else dummy._copy_to_device(device)
             e = Entry(runner, it, step, k, step.static[k], visit, seq)
             tensors[s._id] = e
             escaping.append((e, s))
@@ -147,6 +153,7 @@ class StandIns:
             # has_value/get_value, which Keras 3's fit calls every step), and those are matched
             with interception.paused():
                 dummy = self.dummies[spec] = gen_optional_ops.optional_none()
+            self.spare[spec] = []
             return dummy
         if dt in (dtypes.resource, dtypes.variant):
             raise Divergence(f"cannot stand in for a {dt.name} tensor", "unsupported")
@@ -155,6 +162,7 @@ class StandIns:
             fill = b"" if dt == dtypes.string else 0
             dummy = constant_op.constant(np.full(shape, fill, dtype=dt.as_numpy_dtype))
         self.dummies[spec] = dummy
+        self.spare[spec] = []
         return dummy
 
     def specs(self, step, flat):
