@@ -26,8 +26,10 @@ waits for every other op, a graph that fails has failed before writing anything.
 graphs keep the snapshot before every job (``graph_runner``).
 """
 
+import collections
+
 from tensorflow.python.eager import record
-from tensorflow.python.framework import constant_op, dtypes, ops
+from tensorflow.python.framework import constant_op, dtypes, ops, tensor_util
 
 from terra import interception, opdefs, syncs
 from terra.queues import Channel
@@ -47,6 +49,22 @@ SAFE_OPS = frozenset({
 })
 _FLOAT_ONLY = frozenset({"RealDiv", "Div", "Pow", "Reciprocal", "Inv", "Mean", "FloorDiv",
                          "FloorMod", "Mod", "TruncateDiv"})
+# Ops that fail only on their shapes and attrs where every input that is not a float has a
+# value known when the graph is built (a convolution's ``input_sizes``, a slice's bounds): a
+# trace ran them on the same shapes, so in the graph they cannot fail (but for exhaustion).
+_SHAPE_CHECKED = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D",
+    "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D", "Conv3DBackpropInputV2",
+    "Conv3DBackpropFilterV2", "DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
+    "DepthwiseConv2dNativeBackpropFilter", "BiasAdd", "BiasAddGrad", "ReluGrad", "Relu6",
+    "Relu6Grad", "LeakyRelu", "LeakyReluGrad", "TanhGrad", "SigmoidGrad", "SqrtGrad",
+    "RsqrtGrad", "ReciprocalGrad", "InvGrad", "Elu", "EluGrad",
+    "Selu", "SeluGrad", "Softplus", "SoftplusGrad", "Softmax", "LogSoftmax", "Reshape",
+    "Transpose", "StridedSlice", "Slice", "ConcatV2", "Pack", "Tile", "BroadcastTo", "Pad",
+    "PadV2", "ExpandDims", "Squeeze", "Fill", "Prod", "ShapeN", "BroadcastGradientArgs",
+    "MaxPoolGrad",
+    "AvgPoolGrad", "FusedBatchNormV3", "FusedBatchNormGradV3",
+})
 _NOT_GATED = frozenset({"Placeholder", "Const"})  # function inputs and constants
 NO_GATE = (None, None, frozenset(), frozenset())
 _NOT_WRITES = frozenset({"QueueEnqueueV2", "QueueDequeueV2", "Assert", "CheckNumerics",
@@ -100,7 +118,9 @@ def gate(graph, first_write, enqueued):
         early |= unsafe
     if not gated:
         return NO_GATE
-    free = [op for op in everything if op not in gated and op.type not in _NOT_GATED]
+    unused = _unused(everything, graph.outputs)
+    free = [op for op in everything
+            if op not in gated and op not in unused and op.type not in _NOT_GATED]
     consumed = {x.op for op in free for x in op.inputs} | \
         {c for op in free for c in op.control_inputs}
     sinks = [op for op in free if op not in consumed]
@@ -124,6 +144,66 @@ def gate(graph, first_write, enqueued):
     late = frozenset(id(c) for op, c in enqueued if op in gated)
     outer = {inner.op: outer._id for outer, inner in graph.captures}
     return channel, ready, late, frozenset(outer[op] for op, _ in early if op in outer)
+
+
+def _unused(everything, returned):
+    """The ops whose values nothing uses (no op reads them, but ops like them, and the
+    function does not return them) and that have no effect and cannot fail: eager ran them
+    (a gradient function computes the gradient of every input of its op, and the tape keeps
+    the ones it needs), the graph need not. The ``ready`` enqueue does not wait for them, so
+    TF prunes them from the function (DCGAN: seven convolutions and matmuls of gradients
+    nobody asked for)."""
+    fixed = _fixed(everything)
+    users = collections.Counter(t.op for t in returned)
+    for op in everything:
+        users.update(x.op for x in op.inputs)
+        users.update(op.control_inputs)
+    unused = set()
+    stack = [op for op in everything if not users[op]]
+    while stack:
+        op = stack.pop()
+        if op in unused or users[op] or op not in fixed:
+            continue
+        unused.add(op)
+        for producer in [x.op for x in op.inputs] + list(op.control_inputs):
+            users[producer] -= 1
+            if not users[producer]:
+                stack.append(producer)
+    return unused
+
+
+def _fixed(everything):
+    """The ops without effects that cannot fail at run time: whose failures depend only on
+    what is the same at every run as in the traces, which ran them without one (every input's
+    shape, and an integer input's value: a slice's bounds, a convolution's ``input_sizes``,
+    the axes ``BroadcastGradientArgs`` gives a gradient's sum). One pass in the graph's order
+    (its producers come first)."""
+    fixed = set()
+
+    def shape_fixed(x):
+        return x.shape.is_fully_defined() or x.op in fixed
+
+    def value_fixed(x):
+        op = x.op
+        if op.type in ("Shape", "Size", "Rank"):
+            return shape_fixed(op.inputs[0])
+        if op.type == "ShapeN":
+            return shape_fixed(op.inputs[x.value_index])
+        if op.type == "BroadcastGradientArgs":
+            return all(value_fixed(y) for y in op.inputs)
+        return tensor_util.constant_value(x) is not None
+
+    for op in everything:
+        kind = op.type
+        if kind in SAFE_OPS or kind in _SHAPE_CHECKED:
+            pass
+        elif kind not in _FLOAT_ONLY or not all(t.dtype.is_floating for t in op.outputs):
+            continue
+        if op.op_def.is_stateful:
+            continue
+        if all(value_fixed(x) if x.dtype.is_integer else shape_fixed(x) for x in op.inputs):
+            fixed.add(op)
+    return fixed
 
 
 def _gated(ops_, early):

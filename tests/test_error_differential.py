@@ -95,11 +95,13 @@ def failing_line(kind):
     return os.path.abspath(inspect.getsourcefile(function)), first + offset
 
 
-def graph_error_program(kind, errors):
+def graph_error_program(kind, errors, used=True):
     """At one step, fed data makes an op fail: an out-of-range index from a Python int
     (gather) or a NaN loss scale from a Python float (check_numerics). The NaN is applied to
     the loss itself: a NaN *input* may not survive the graph (grappler fuses MatMul+BiasAdd+Relu
-    and the fused Relu maps NaN to 0). ``errors`` collects (tape class, ExceptionInfo)."""
+    and the fused Relu maps NaN to 0). ``errors`` collects (tape class, ExceptionInfo).
+    ``used=False``: the failing ops' values are never used (eager still runs them, and
+    fails), so only their errors make the graph run them."""
 
     def program(tape_cls, steps):
         data, model, optimizer, loss_fn = mlp_task(steps)
@@ -117,8 +119,12 @@ def graph_error_program(kind, errors):
             expect_error = step == FAILING_STEP
             with pytest.raises(InvalidArgumentError) if expect_error else nullcontext() as info:
                 with tape_cls() as tape:
-                    loss = loss_fn(y, model(x, training=True)) * lookup_weight(class_weights, index)
-                    loss = checked(loss * scale)
+                    loss = loss_fn(y, model(x, training=True))
+                    if used:
+                        loss = checked(loss * lookup_weight(class_weights, index) * scale)
+                    else:  # the values are dropped at once: nothing fetches them
+                        lookup_weight(class_weights, index)
+                        checked(loss * scale)
                 grads = tape.gradient(loss, model.trainable_variables)
                 optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
                 losses.append(float(loss))
@@ -129,11 +135,12 @@ def graph_error_program(kind, errors):
     return program
 
 
+@pytest.mark.parametrize("used", [True, False], ids=["used", "unused"])
 @pytest.mark.parametrize("kind", ["gather", "check_numerics"])
-def test_graph_side_error_raised_like_eager_with_user_line(kind):
+def test_graph_side_error_raised_like_eager_with_user_line(kind, used):
     errors = []
     outcome = assert_same_as_eager(
-        graph_error_program(kind, errors), STEPS, expect_fallbacks=(0, 2), max_traces=4
+        graph_error_program(kind, errors, used), STEPS, expect_fallbacks=(0, 2), max_traces=4
     )
     [(eager_tape, eager), (terra_tape, terra_info)] = errors
     assert eager_tape is tf.GradientTape and terra_tape is not tf.GradientTape
