@@ -35,9 +35,10 @@ _IMMUTABLE = (int, float, bool, tuple)  # those value_key knows (a tuple: of sca
 
 # How one input is checked (the first element of a Lane's check tuples).
 _NODE = 0  # (_NODE, producer node, output): a stand-in of this iteration from that output
-# (_CONST, slot, fed key or None, [the last immutable Python value matched]): the slot's
-# constant value; a Python literal is the same object at every call, so its identity is
-# enough once its value was found among the slot's (a list or an array may have changed)
+# (_CONST, slot, fed key or None, [the last immutable Python value matched], the value's
+# shape if numeric, its bytes): the slot's constant value; a Python literal is the same
+# object at every call, so its identity is enough once its value was found among the slot's
+# (a list or an array may have changed)
 _CONST = 1
 _SAME_TENSOR = 2  # (_SAME_TENSOR, tensor id, fed key or None): that very tensor
 
@@ -80,7 +81,10 @@ def build(runner, cur, step, info, attrs, plan):
                 not runner.step_of[slot.alts[0][0]].looped:
             checks.append((_NODE, *slot.alts[0]))
         elif kind is SlotKind.CONST:
-            checks.append((_CONST, slot, fed, [_NOTHING]))
+            # a numeric constant's bytes are compared through a memoryview, without a copy
+            flat = slot.value is not None and slot.value.dtype.kind in "biufc"
+            checks.append((_CONST, slot, fed, [_NOTHING],
+                           slot.value.shape if flat else None, slot.value_bytes))
         elif kind is SlotKind.VAR or kind is SlotKind.CAPTURE:
             checks.append((_SAME_TENSOR, slot.tensor._id, fed if kind is SlotKind.CAPTURE
                            else None))
@@ -133,7 +137,12 @@ def follow(runner, lane, args):
                 if a._datatype_enum() != slot.dtype:
                     return MISS
                 v = a._numpy_internal()  # bytes: -0.0 or another NaN counts as a change
-                if v.shape != slot.value.shape or v.tobytes() != slot.value_bytes:
+                shape = check[4]
+                if shape is None:
+                    if v.shape != slot.value.shape or v.tobytes() != slot.value_bytes:
+                        return MISS
+                elif v.shape != shape or not v.flags.c_contiguous or \
+                        v.data.cast("B") != check[5]:
                     return MISS
                 consts = consts or []
                 consts.append((slot, a._id))
