@@ -190,7 +190,11 @@ def inferred_specs(step, flat, key, tensors, memo):
     inputs Python has (a ``Reshape``'s target shape it computed, or a local step's): where
     such a value is fed or computed, the specs are kept for it, in ``memo`` (specs by
     ``(step, key, values)``). Where the shape function leaves a dimension unknown, a
-    Divergence: only a trace can tell."""
+    Divergence: only a trace can tell. An elementwise op's shape is the broadcast of its
+    inputs' (:func:`elementwise_shape`), without the scratch graph (~0.3 ms an op)."""
+    shape = elementwise_shape(step.op_type, key)
+    if shape is not None:
+        return ((shape, step.out_specs[0][1]),), None
     flat = [a if type(a) is _EagerTensor else ops.convert_to_tensor(
         a, None if slot.dtype is None else dtypes.as_dtype(slot.dtype))
         for a, slot in zip(flat, step.slots, strict=True)]
@@ -219,6 +223,35 @@ def inferred_specs(step, flat, key, tensors, memo):
     specs = tuple((tuple(shape.as_list()), dtype)
                   for shape, (_, dtype) in zip(outputs, step.out_specs, strict=True))
     return specs, values
+
+
+# Elementwise ops whose output has their one input's shape, or their inputs' broadcast
+# (numpy's rules are TF's for these; an incompatible pair raises, as TF's shape function does)
+_SAME_SHAPE = frozenset({
+    "OnesLike", "ZerosLike", "Identity", "StopGradient", "Neg", "Abs", "Sign", "Exp", "Expm1",
+    "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal", "Sigmoid", "Tanh", "Relu",
+    "Relu6", "Elu", "Selu", "Softplus", "LeakyRelu", "Floor", "Ceil", "Round", "Cast",
+    "LogicalNot", "IsNan", "IsFinite", "Erf", "Sin", "Cos",
+})
+_BROADCAST = frozenset({
+    "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "MulNoNan", "Maximum", "Minimum", "Pow",
+    "SquaredDifference", "FloorDiv", "FloorMod", "Less", "LessEqual", "Greater",
+    "GreaterEqual", "LogicalAnd", "LogicalOr", "Atan2", "SelectV2",
+})
+
+
+def elementwise_shape(op_type, shapes):
+    """The output shape of elementwise ``op_type`` on inputs of ``shapes``; None for another
+    op. Raises Divergence where the shapes do not broadcast."""
+    if op_type in _SAME_SHAPE:
+        return shapes[0]
+    if op_type not in _BROADCAST:
+        return None
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError as e:
+        raise Divergence(f"{op_type} called with new input shapes {shapes}: {e}",
+                         "shape change") from None
 
 
 def leaves(results, tensors):
