@@ -53,17 +53,16 @@ _FLOAT_ONLY = frozenset({"RealDiv", "Div", "Pow", "Reciprocal", "Inv", "Mean", "
 # value known when the graph is built (a convolution's ``input_sizes``, a slice's bounds): a
 # trace ran them on the same shapes, so in the graph they cannot fail (but for exhaustion).
 _SHAPE_CHECKED = frozenset({
-    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D",
-    "Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D", "Conv3DBackpropInputV2",
-    "Conv3DBackpropFilterV2", "DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D", "Conv2DBackpropInput",
+    "Conv2DBackpropFilter", "Conv3D", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2",
+    "DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput",
     "DepthwiseConv2dNativeBackpropFilter", "BiasAdd", "BiasAddGrad", "ReluGrad", "Relu6",
     "Relu6Grad", "LeakyRelu", "LeakyReluGrad", "TanhGrad", "SigmoidGrad", "SqrtGrad",
-    "RsqrtGrad", "ReciprocalGrad", "InvGrad", "Elu", "EluGrad",
-    "Selu", "SeluGrad", "Softplus", "SoftplusGrad", "Softmax", "LogSoftmax", "Reshape",
-    "Transpose", "StridedSlice", "Slice", "ConcatV2", "Pack", "Tile", "BroadcastTo", "Pad",
-    "PadV2", "ExpandDims", "Squeeze", "Fill", "Prod", "ShapeN", "BroadcastGradientArgs",
-    "MaxPoolGrad",
-    "AvgPoolGrad", "FusedBatchNormV3", "FusedBatchNormGradV3",
+    "RsqrtGrad", "ReciprocalGrad", "InvGrad", "Elu", "EluGrad", "Selu", "SeluGrad", "Softplus",
+    "SoftplusGrad", "Softmax", "LogSoftmax", "Reshape", "Transpose", "StridedSlice", "Slice",
+    "ConcatV2", "Pack", "Tile", "BroadcastTo", "Pad", "PadV2", "ExpandDims", "Squeeze", "Fill",
+    "Prod", "ShapeN", "BroadcastGradientArgs", "MaxPoolGrad", "AvgPoolGrad",
+    "FusedBatchNormV3", "FusedBatchNormGradV3",
 })
 _NOT_GATED = frozenset({"Placeholder", "Const"})  # function inputs and constants
 NO_GATE = (None, None, frozenset(), frozenset())

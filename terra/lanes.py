@@ -9,9 +9,8 @@ by a test precomputed from its slot (a stand-in of this iteration from the one p
 constant's memo, identity or bytes, a variable's or capture's identity), stand-ins taken
 from the spares or copied from the step's dummies, the step logged and passed. Anything
 else, from a Python value never validated before to a step at the path's end, is a
-:data:`MISS`: nothing was done yet, and
-the general path handles the op, with its checks and its messages. So a lane changes how
-fast an op is matched, never whether it matches.
+:data:`MISS`: nothing was done yet, and the general path handles the op, with its checks and
+its messages. So a lane changes how fast an op is matched, never whether it matches.
 
 Lanes are the runner's own table, like its other memos: the plan is only read.
 """
@@ -82,9 +81,9 @@ def build(runner, cur, step, info, attrs, plan):
             checks.append((_NODE, *slot.alts[0]))
         elif kind is SlotKind.CONST:
             # a numeric constant's bytes are compared through a memoryview, without a copy
-            flat = slot.value is not None and slot.value.dtype.kind in "biufc"
+            numeric = slot.value is not None and slot.value.dtype.kind in "biufc"
             checks.append((_CONST, slot, fed, [_NOTHING],
-                           slot.value.shape if flat else None, slot.value_bytes))
+                           slot.value.shape if numeric else None, slot.value_bytes))
         elif kind is SlotKind.VAR or kind is SlotKind.CAPTURE:
             checks.append((_SAME_TENSOR, slot.tensor._id, fed if kind is SlotKind.CAPTURE
                            else None))
