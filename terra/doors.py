@@ -1,7 +1,8 @@
 """The two handlers the interception layer calls (``interception.set_handler``).
 
 ``TracingDoor`` runs every op for real: in every phase but co-execution, and between
-iterations after a fully matched path. ``CoexecDoor`` hands each op to the PythonRunner and
+iterations after a fully matched path. ``CoexecDoor`` answers an op along the PythonRunner's
+lane where one is (``terra.lanes``), else hands it to the PythonRunner's general path and
 any exception to ``Runtime.handle``, then runs the op through ``TracingDoor`` unless the
 replay already ran it. Both act on the runtime they are given (its recorder and runner, its
 ``value`` and ``handle``), and read the hook table (``terra.hooks``), which they never fill.
@@ -14,7 +15,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
 from terra import fallback as fallback_lib
-from terra import functions, interception, opdefs
+from terra import functions, interception, lanes, opdefs
 from terra.hooks import tensors as _tensors  # the one dict, never rebound: one lookup per op
 
 _EagerTensor = ops.EagerTensor
@@ -117,9 +118,15 @@ class CoexecDoor:
 
     def fast(self, ctx, op_type, name, args):
         rt = self.runtime
-        at = rt.runner.cur  # where the op found the runner: was its step matched?
+        runner = rt.runner
+        at = runner.cur  # where the op found the runner: was its step matched?
+        lane = runner.lanes.get(at)
+        if lane and lane.op_type == op_type:  # the common case, without a call more per op
+            result = lanes.follow(runner, lane, args)  # raises nothing: a MISS did nothing
+            if result is not lanes.MISS:
+                return result
         try:
-            return rt.runner.fast(ctx, op_type, name, args)
+            return runner.fast(ctx, op_type, name, args)
         except _FallbackException:  # the op wrapper takes its slow path, through the doors
             raise
         except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own

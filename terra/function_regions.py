@@ -3,7 +3,8 @@
 Some TF functions are Python that issues ops: a tensor's slicing (``x[..., :2]``: TF parses
 the spec and packs its bounds into constants for one ``StridedSlice``, ~40 us),
 ``tf.boolean_mask`` (shape arithmetic, a ``Where``, a ``Gather``: ~17 ops, ~0.5 ms),
-``tf.nn.sigmoid_cross_entropy_with_logits`` (checks and seven ops). In a user's loss they
+``tf.nn.sigmoid_cross_entropy_with_logits`` (checks and seven ops), the softmax cross
+entropies (checks, reshapes to rank 2 and back). In a user's loss they
 are most of what the skeleton's Python does every step, although the graph holds their ops
 and Python looks at none of their values. A call of one of :data:`FUNCTIONS` is therefore
 recorded and skipped as a layer call is (``terra.layer_regions``, whose machinery it
@@ -46,6 +47,10 @@ FUNCTIONS = (
     ("tensorflow.python.framework.tensor", "Tensor", "__getitem__"),
     ("tensorflow.python.ops.array_ops", None, "boolean_mask"),
     ("tensorflow.python.ops.nn_impl", None, "sigmoid_cross_entropy_with_logits"),
+    # what tf.nn.(sparse_)softmax_cross_entropy_with_logits and Keras 3's categorical losses
+    # call: shape checks, reshapes to rank 2 and back, a cast (GPT-2's loss: ~1.5 ms a step)
+    ("tensorflow.python.ops.nn_ops", None, "sparse_softmax_cross_entropy_with_logits"),
+    ("tensorflow.python.ops.nn_ops", None, "softmax_cross_entropy_with_logits_v2_helper"),
 )
 _installed = set()
 

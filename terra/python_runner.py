@@ -113,7 +113,7 @@ class PythonRunner(TapeEvents, RegionSkips):
         self._learned = {}
         self._n_learned = {}  # per call mark: the keys in _learned
         # a step -> the lanes.Lane into its one successor, or False (the general path only)
-        self._lanes = {}
+        self.lanes = {}
         # the inputs external values are read again from (a "same" slot's alternatives)
         self.reread = {alt for step in graph.steps.values() for slot in step.slots
                        if slot.kind is SlotKind.SAME for alt in slot.alts}
@@ -188,11 +188,7 @@ class PythonRunner(TapeEvents, RegionSkips):
 
     # -- the two doors ------------------------------------------------------------------
     def fast(self, ctx, op_type, name, args):
-        lane = self._lanes.get(self.cur)
-        if lane and lane.op_type == op_type:
-            result = lanes.follow(self, lane, args)
-            if result is not lanes.MISS:
-                return result
+        """The general path of a fast-path op (``CoexecDoor`` tries the lane first)."""
         info = opdefs.info(op_type)
         n = info.n_inputs
         if n is None:
@@ -226,8 +222,8 @@ class PythonRunner(TapeEvents, RegionSkips):
             if failed.ran:
                 failed.result = pack_fast(plan, failed.result)
             raise
-        if cur not in self._lanes:  # the next time an op comes this way, it may take a lane
-            self._lanes[cur] = lanes.build(self, cur, step, info, attrs, plan)
+        if cur not in self.lanes:  # the next time an op comes this way, it may take a lane
+            self.lanes[cur] = lanes.build(self, cur, step, info, attrs, plan)
         if plan == "one":
             return outs[0]
         return pack_fast(plan, outs)

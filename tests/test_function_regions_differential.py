@@ -1,5 +1,6 @@
-"""Function regions (``terra.function_regions``): TF's slicing, ``tf.boolean_mask`` and
-``tf.nn.sigmoid_cross_entropy_with_logits`` skipped by the skeleton, with eager's numbers.
+"""Function regions (``terra.function_regions``): TF's slicing, ``tf.boolean_mask``,
+``tf.nn.sigmoid_cross_entropy_with_logits`` and the softmax cross entropies skipped by the
+skeleton, with eager's numbers.
 
 The programs are a raw ``tf.Module`` with a YOLO-style loss: slices of tensors whose row
 count depends on data, boolean masks whose rows change every step, a slice bound that
@@ -155,3 +156,35 @@ def test_a_slice_bound_given_as_a_tensor_keeps_eagers_shapes():
     assert_same_as_eager(_bound_is_a_tensor, 18, max_traces=4, expect_fallbacks=(0, 3),
                          min_coexecuted=6)
 
+
+
+def sequence_program(tape_cls, steps):
+    """A language-model-style loss on rank-3 logits whose sequence length alternates: the
+    sparse softmax cross entropy (reshaped to rank 2 and back inside TF's function) and the
+    dense one, as Keras 3's losses call them."""
+    rng = np.random.default_rng(1)
+    w = tf.Variable(tf.random.stateless_normal((6, 5), seed=(3, 4)) * 0.3)
+    losses = []
+    for step in range(steps):
+        length = 3 + step % 2
+        x = tf.constant(rng.normal(size=(2, length, 6)).astype(np.float32))
+        labels = tf.constant(rng.integers(0, 5, size=(2, length)).astype(np.int32))
+        with tape_cls() as tape:
+            logits = tf.einsum("btf,fc->btc", x, w)
+            sparse = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+            dense = tf.nn.softmax_cross_entropy_with_logits(
+                labels=tf.one_hot(labels, 5), logits=logits)
+            loss = tf.reduce_mean(sparse) + 0.5 * tf.reduce_mean(dense)
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        losses.append(float(loss))
+        record_stats(f"step{step}")
+    return {"losses": losses, "w": w.numpy()}
+
+
+def test_softmax_cross_entropies_are_skipped_with_eagers_numbers():
+    steps = 16
+    outcome = assert_same_as_eager(sequence_program, steps, max_traces=3, min_coexecuted=8)
+    late = outcome.stats.skipped_function_calls - \
+        outcome.stats_at("step11").skipped_function_calls
+    # both losses in each of the last four steps (both sequence lengths learned by then)
+    assert late >= 2 * (steps - 12), outcome.report()
