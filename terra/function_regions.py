@@ -4,8 +4,8 @@ Some TF functions are Python that issues ops: a tensor's slicing (``x[..., :2]``
 the spec and packs its bounds into constants for one ``StridedSlice``, ~40 us),
 ``tf.boolean_mask`` (shape arithmetic, a ``Where``, a ``Gather``: ~17 ops, ~0.5 ms),
 ``tf.nn.sigmoid_cross_entropy_with_logits`` (checks and seven ops), the softmax cross
-entropies (checks, reshapes to rank 2 and back). In a user's loss they
-are most of what the skeleton's Python does every step, although the graph holds their ops
+entropies (checks, reshapes to rank 2 and back). In a user's loss they are most of what the
+skeleton's Python does every step, although the graph holds their ops
 and Python looks at none of their values. A call of one of :data:`FUNCTIONS` is therefore
 recorded and skipped as a layer call is (``terra.layer_regions``, whose machinery it
 shares): a ``call`` mark, the ops, a ``return`` mark; where the plan runs the ops between

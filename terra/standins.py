@@ -4,10 +4,10 @@ A stand-in is a real EagerTensor of the output's shape and dtype, so ``.shape``,
 and Keras' bookkeeping keep working while the graph computes the value: a copy (its own
 ``_id``) of one dummy per ``(shape, dtype)``. Its :class:`Entry` in the hook table says which
 node output it stands for; Python materializing it fetches the value (section 3.7). A copy
-Python has dropped is a *spare*: the sweep at an iteration's end (``terra.escapes``) gives it
-back, and the next op of its spec hands it out again with a new entry instead of copying. Where an
-op's output shapes vary with its input shapes, :meth:`StandIns.specs` finds them: by the
-input shapes the traces had, else from the op's shape function.
+Python has dropped is a *spare*: the sweep at an iteration's end (``terra.escapes``) gives
+it back, and the next op of its spec hands it out again with a new entry instead of
+copying. Where an op's output shapes vary with its input shapes, :meth:`StandIns.specs`
+finds them: by the input shapes the traces had, else from the op's shape function.
 """
 
 import mmap
