@@ -32,6 +32,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.framework import constant_op, dtypes, ops, tensor_util
 
 from terra import interception, opdefs, syncs
+from terra.folding import SHAPE_OF
 from terra.queues import Channel
 
 # Ops after the gate: none of them fails at run time on checked shapes (a queue op only when
@@ -184,10 +185,8 @@ def _fixed(everything):
 
     def value_fixed(x):
         op = x.op
-        if op.type in ("Shape", "Size", "Rank"):
-            return shape_fixed(op.inputs[0])
-        if op.type == "ShapeN":
-            return shape_fixed(op.inputs[x.value_index])
+        if op.type in SHAPE_OF:  # a shape read: of input k for ShapeN's output k
+            return shape_fixed(op.inputs[x.value_index if op.type == "ShapeN" else 0])
         if op.type == "BroadcastGradientArgs":
             return all(value_fixed(y) for y in op.inputs)
         return tensor_util.constant_value(x) is not None

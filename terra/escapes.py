@@ -9,7 +9,7 @@ still holds a stand-in is read off its reference count, minus the references Ter
 
 A dropped stand-in that nothing else can tell apart from a fresh copy (no attribute set on it,
 no weak reference to it, and no gradient tape alive that may have recorded its id) goes back
-to the runner's spares (``StandIns.spare``) instead of being freed: the next op of its spec
+to the runner's spares (``StandIns.sources``) instead of being freed: the next op of its spec
 hands it out again, under a new entry, for the cost of a list pop instead of a tensor copy.
 """
 
@@ -26,13 +26,13 @@ _no_tapes = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 _weakrefs = weakref.getweakrefcount
 
 
-def finish(it, tensors, unread, held=None, spare=None):
+def finish(it, tensors, unread, held=None, sources=None):
     """Sweep the ended iteration ``it`` (unless ``held``, what a sweep already returned):
     give the entries Python still holds their values (``unread``: the values its fetch
     channels held that nobody read, by step, visit and output) and return those the graph
     gave none. If none, the iteration is released."""
     uncovered = []
-    for e in sweep(it, tensors, spare) if held is None else held:  # Python still holds it
+    for e in sweep(it, tensors, sources) if held is None else held:  # Python still holds it
         if e.value is None:
             e.value = unread.get((e.step, e.visit, e.out))
             if e.value is None:
@@ -42,21 +42,21 @@ def finish(it, tensors, unread, held=None, spare=None):
     return uncovered
 
 
-def sweep(it, tensors, spare=None):
+def sweep(it, tensors, sources=None):
     """Forget the entries of the iteration ``it`` whose stand-ins Python has dropped, from
-    the hook table ``tensors``, and put those stand-ins among the ``spare`` ones (by spec)
-    where they can be handed out again. Return the other entries; each is forgotten when
-    Python drops its stand-in."""
+    the hook table ``tensors``, and put those stand-ins among their spec's spares
+    (``sources``: ``StandIns.sources``) where they can be handed out again. Return the
+    other entries; each is forgotten when Python drops its stand-in."""
     held, it.entries = it.entries, []
     # the custom gradients kept for a replay hold stand-ins in their closures: those
     # references are Terra's, not Python's
     ours = _closure_refs(it.customs) if it.customs else {}
-    if spare is not None and not _no_tapes():  # a tape may hold the stand-ins' ids
-        spare = None
+    if sources is not None and not _no_tapes():  # a tape may hold the stand-ins' ids
+        sources = None
     while True:
         # A dropped stand-in can hold others (Keras 3 sets ``_keras_mask`` on tensors):
         # once it is gone they may be dropped too, so sweep until nothing more goes.
-        pending, held = held, [pair for pair in held if _held(pair, tensors, ours, spare)]
+        pending, held = held, [pair for pair in held if _held(pair, tensors, ours, sources)]
         if len(held) == len(pending):
             break
         del pending
@@ -72,18 +72,18 @@ def unfetchable(held):
     return any(e.value is None and e.step.fetch[e.out] is None for e in held)
 
 
-def _held(pair, tensors, ours, spare):
+def _held(pair, tensors, ours, sources):
     """Whether Python still holds the stand-in of an (entry, stand-in) pair (``ours``: the
     references Terra holds elsewhere, by id); if not, forget its entry, and keep the
     stand-in as a spare if it is one no one can tell from a fresh copy."""
     e, t = pair
     if sys.getrefcount(t) <= _BASE_REFS + (e.value is t) + ours.get(id(t), 0):
         tensors.pop(t._id, None)
-        if spare is not None and e.value is not t and id(t) not in ours and \
+        if sources is not None and e.value is not t and id(t) not in ours and \
                 not t.__dict__ and not _weakrefs(t):
-            kept = spare.get((t._shape_tuple(), t._datatype_enum()))
-            if kept is not None:
-                kept.append(t)
+            source = sources.get((t._shape_tuple(), t._datatype_enum()))
+            if source is not None:
+                source[1].append(t)
         return False
     return True
 

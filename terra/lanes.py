@@ -56,7 +56,7 @@ class Lane:
         self.attrs = attrs  # the raw fast-path attr tuple validated at this step
         self.checks = checks
         self.plan = plan
-        # per output, the dummy the stand-ins copy and its spares (StandIns.spare); None where
+        # per output, the dummy the stand-ins copy and its spares (StandIns.sources); None where
         # the output shapes follow the input shapes (looked up per call)
         self.sources = sources
 
@@ -189,11 +189,9 @@ def follow(runner, lane, args):
 
 
 def _sources(standins, specs):
-    """Per spec, its dummy and spares (a list never rebound); None if a dummy is missing."""
-    dummies, spare = standins.dummies, standins.spare
-    if not all(spec in dummies for spec in specs):
-        return None
-    return [(dummies[spec], spare[spec]) for spec in specs]
+    """Per spec, its dummy and spares (``StandIns.sources``); None if one is missing."""
+    found = [standins.sources.get(spec) for spec in specs]
+    return None if None in found else found
 
 
 def _shaped_sources(runner, step, flat):

@@ -441,12 +441,12 @@ class PythonRunner(TapeEvents, RegionSkips):
         not grow. Returns the kept entries the graph gave no value."""
         it = self.it
         return escapes.finish(it, self.tensors, self.waiting.unread(it), it.held,
-                              self.standins.spare)
+                              self.standins.sources)
 
     def sweep(self, it):
         """Forget the entries of ``it`` whose stand-ins Python has dropped; return the others
         (``escapes.sweep``), keeping the dropped stand-ins as spares."""
-        return escapes.sweep(it, self.tensors, self.standins.spare)
+        return escapes.sweep(it, self.tensors, self.standins.sources)
 
 
 # Where the runner is once an iteration has ended at a branch point or before its path's end:

@@ -82,7 +82,8 @@ class Entry:
 
 
 class StandIns:
-    """The stand-ins of one runner's outputs: the dummies they copy (by spec), and the output
+    """The stand-ins of one runner's outputs: the dummies they copy and the spares (by spec),
+    and the output
     specs inferred for input shapes no trace had (the runner's own: co-execution only reads
     the plan)."""
 
@@ -91,24 +92,20 @@ class StandIns:
         self.tensors = tensors  # the hook table: EagerTensor._id -> Entry
         self.device = context.context().device_name or \
             "/job:localhost/replica:0/task:0/device:CPU:0"
-        self.dummies = {}  # (shape, dtype) -> the tensor stand-ins of that spec copy
-        # (shape, dtype) -> copies of its dummy that no one holds, handed out again (the
-        # list is made with the dummy and never rebound: a lane keeps it)
-        self.spare = {}
+        # (shape, dtype) -> (the tensor stand-ins of that spec copy, the copies no one holds,
+        # handed out again: a list never rebound, which a lane keeps)
+        self.sources = {}
         self.inferred = {}  # (step, input shapes) -> output specs from the shape function
 
     def make(self, it, step, specs, visit, seq, start=0):
         """Stand-ins for ``step``'s outputs ``start, start + 1, ...`` of ``specs``, with their
         hook-table entries, noted among the iteration's ``it`` (for the sweep at its end).
         Returns the stand-ins and the entries."""
-        runner, tensors, dummies, device = self.runner, self.tensors, self.dummies, self.device
+        runner, tensors, sources, device = self.runner, self.tensors, self.sources, self.device
         escaping = it.entries
         outs, entries = [], []
         for k, spec in enumerate(specs, start):
-            dummy = dummies.get(spec)
-            if dummy is None:
-                dummy = self._dummy(spec)
-            spare = self.spare[spec]
+            dummy, spare = sources.get(spec) or self._source(spec)
             s = spare.pop() if spare else dummy._copy_to_device(device)
             e = Entry(runner, it, step, k, step.static[k], visit, seq)
             tensors[s._id] = e
@@ -145,25 +142,25 @@ class StandIns:
             entries.append(e)
         return values, entries
 
-    def _dummy(self, spec):
+    def _source(self, spec):
+        """A new spec's dummy, and its spares (none yet)."""
         shape, dtype = spec
         dt = dtypes.as_dtype(dtype)
         if dt == dtypes.variant and shape == ():
             # a variant is opaque to Python: only ops read it (tf.experimental.Optional's
             # has_value/get_value, which Keras 3's fit calls every step), and those are matched
             with interception.paused():
-                dummy = self.dummies[spec] = gen_optional_ops.optional_none()
-            self.spare[spec] = []
-            return dummy
+                dummy = gen_optional_ops.optional_none()
+            source = self.sources[spec] = (dummy, [])
+            return source
         if dt in (dtypes.resource, dtypes.variant):
             raise Divergence(f"cannot stand in for a {dt.name} tensor", "unsupported")
         dummy = _untouched(shape, dt)
         if dummy is None:
             fill = b"" if dt == dtypes.string else 0
             dummy = constant_op.constant(np.full(shape, fill, dtype=dt.as_numpy_dtype))
-        self.dummies[spec] = dummy
-        self.spare[spec] = []
-        return dummy
+        source = self.sources[spec] = (dummy, [])
+        return source
 
     def specs(self, step, flat):
         """The output specs of ``step`` (one whose output shapes vary, ``check_shapes``) for

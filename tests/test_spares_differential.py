@@ -1,4 +1,4 @@
-"""Spare stand-ins (``StandIns.spare``, ``escapes.sweep``): a stand-in Python dropped is handed
+"""Spare stand-ins (``StandIns.sources``, ``escapes.sweep``): a stand-in Python dropped is handed
 out again by a later op of its spec. That must never be visible: a tensor a program set an
 attribute on, or holds a weak reference to, is never handed out again, and a value kept
 across iterations keeps its own."""
