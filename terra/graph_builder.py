@@ -103,7 +103,7 @@ def _passes(tracegraph, xla, exact, fold, recorded, unrolled):
     with ops.init_scope():
         conds = {loop: Channel(INT32, ()) for loop in loops}  # Loop Cond: 1 go on, 0 stop
     link(tracegraph, start, steps, puts, conds)
-    symbolic = gradient_regions(steps, planned, recorded)
+    symbolic = gradient_regions(steps, planned, recorded, varying)
     wanted, phi_of, slots, unseen = feeds_and_fetches(steps, symbolic)
     name = f"terra_step_{next(_names)}"
     emitter = Emitter(name, steps, planned, exports_of(planned, steps), loops, conds,
@@ -147,16 +147,18 @@ def mark_varying_shapes(tracegraph, steps):
     return varying
 
 
-def gradient_regions(steps, planned, recorded):
-    """The gradient heads emitted as TF's symbolic gradient (see ``_symbolic``). A region
-    merged over a loop's trip counts that cannot be symbolic keeps its loop unrolled."""
+def gradient_regions(steps, planned, recorded, varying):
+    """The gradient heads emitted as TF's symbolic gradient (see ``_symbolic``; ``varying``:
+    the nodes whose input shapes may be new). A region merged over a loop's trip counts that
+    cannot be symbolic keeps its loop unrolled."""
     in_branch = {node for sc, channel, _ in planned if channel is not None
                  for case in sc.cases for head in case.block
                  for node in [head] + [b.node for b in steps[head].body]}
     symbolic = set()
     needed = _bodies_read_outside(steps)
     for node, step in steps.items():
-        if node.id not in recorded and node not in needed and _symbolic(step, in_branch):
+        if node.id not in recorded and node not in needed and \
+                _symbolic(step, in_branch, varying):
             symbolic.add(node)
         elif step.kind is NodeKind.GRAD and node.rolled:
             raise KeepUnrolled(node.rolled)
@@ -300,7 +302,7 @@ def _backward_feeds(step, fetched_shapes, shaped):
     return [s.feed[i] for s, i in feeds], table
 
 
-def _symbolic(step, in_branch):
+def _symbolic(step, in_branch, varying):
     """Whether a gradient region is emitted as TF's symbolic gradient of the graph's forward
     ops rather than as its recorded backward ops.
 
@@ -309,7 +311,9 @@ def _symbolic(step, in_branch):
     ``_backward_feeds`` can only feed the values of signatures a trace had; a shape that keeps
     changing (a boolean mask's row count) would fall back at every new value. The symbolic
     gradient runs the same gradient functions in graph mode, which compute those values from
-    the shapes at run time. It differentiates the graph rather than the tape, so it is taken
+    the shapes at run time. So it is taken too where the forward pass may take shapes no trace
+    had (an op of its cone is ``varying``), though the traces' values were equal (two image
+    sizes of one area: a mean's count). It differentiates the graph rather than the tape, so it is taken
     only where both agree (``TraceNode.taped``: the tape recorded every forward op between
     the sources and the target) and the region and its forward ops are emitted outside any
     ``tf.switch_case`` (``in_branch``: a gradient through a switch-case's outputs would rewrite
@@ -322,7 +326,8 @@ def _symbolic(step, in_branch):
     if step.kind is not NodeKind.GRAD or not node.taped:
         return False
     if not node.rolled and not any(
-            slot.kind is SlotKind.FEED for body_step in step.body for slot in body_step.slots):
+            slot.kind is SlotKind.FEED for body_step in step.body for slot in body_step.slots) \
+            and not any(producer in varying for _, producer, _ in node.cone.values()):
         return False
     if any(slot.kind is SlotKind.FEED for slot in step.slots):
         return False

@@ -15,7 +15,7 @@ from terra import background, budget, functions, interception, precompile, profi
 from terra.census import PathCensus
 from terra.config import config
 from terra.graph_builder import generate
-from terra.nodes import NodeKind
+from terra.nodes import NodeKind, relax_feeds
 from terra.tracegraph import TraceGraph
 
 _EAGER_PHASES = ("warmup", "eager", "waiting")  # iterations that ran plainly: eager's time
@@ -231,6 +231,7 @@ class GraphLifecycle:
         t0 = time.perf_counter()
         self._exploring = None
         self._built_from = self.census.paths(self.tracegraph.trips)
+        relax_feeds(self.tracegraph.nodes)  # before the graph and its validation read them
         try:
             with interception.paused():
                 graph = generate(self.tracegraph, xla=config.xla, exact=config.exact,

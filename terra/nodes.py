@@ -47,6 +47,28 @@ def relax(shape, new):
     return tuple(a if a == b else None for a, b in zip(shape, new))
 
 
+def relax_feeds(nodes):
+    """Relax the fed inputs of ``nodes`` whose shape held still in a program whose inputs
+    change shape: the dimensions whose size no varying input has as a fixed dimension.
+
+    Where some fed input's shape varied between traces (an image of another size, a batch of
+    another length), a value computed in Python per iteration (anchors over the image's
+    feature map, a mask over the tokens) may have kept its shape in the traces by chance (two
+    image sizes with the same area). A fixed dimension there costs a fallback, a trace and a
+    second graph at the first size no trace had; an unknown one costs a little static shape
+    information. A size the varying inputs keep fixed (the batch, the channels) is taken for
+    that same quantity and kept, and so are sizes 0 and 1 (a batch of one, a kept dimension).
+    Relaxed as an observation would (:func:`relax`): validation and the graph follow it."""
+    feeds = [s for n in nodes for s in n.inputs if s.kind is SlotKind.FEED]
+    varied = [s.shape or () for s in feeds if s.shape is None or None in s.shape]
+    if not varied:
+        return
+    kept = {d for shape in varied for d in shape if d is not None} | {0, 1}
+    for slot in feeds:
+        if slot.shape and None not in slot.shape:
+            slot.shape = tuple(d if d in kept else None for d in slot.shape)
+
+
 class NodeKind(enum.Enum):
     START = "start"
     END = "end"

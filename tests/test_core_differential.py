@@ -547,6 +547,36 @@ def test_batch_size_changing_between_steps():
     assert "feed[float32 ?x20]" in outcome.explain, outcome.report()
 
 
+def same_area_images_program(tape_cls, steps):
+    """Images whose sizes cycle (4, 4), (4, 6), (6, 4), (5, 5), as a detector's: the two
+    traces (the second and third steps) have one area, and a per-pixel weight computed in
+    numpy each step (as anchors are) kept its length in both. A raw ``tf.Module``."""
+    rng = np.random.default_rng(3)
+    kernel = tf.Variable(rng.normal(size=(3, 3, 3, 4)).astype("float32"))
+    sizes = [(4, 4), (4, 6), (6, 4), (5, 5)]
+    images = [tf.constant(rng.normal(size=(1, h, w, 3)).astype("float32")) for h, w in sizes]
+    losses = []
+    for step in range(steps):
+        image = images[step % len(sizes)]
+        h, w = image.shape[1], image.shape[2]
+        weights = rng.uniform(size=h * w * 4).astype("float32")  # per pixel and channel
+        with tape_cls() as tape:
+            features = tf.nn.conv2d(image, kernel, 1, "SAME")
+            loss = tf.reduce_sum(tf.reshape(features, [-1]) * weights)
+        kernel.assign_sub(0.01 * tape.gradient(loss, kernel))
+        losses.append(float(loss))
+    return {"losses": losses, "kernel": kernel}
+
+
+def test_a_value_of_one_length_in_both_traces_is_fed_relaxed_where_image_sizes_vary():
+    """The weights' length is the first new one at step 3: with it fixed in the graph that
+    step fell back, traced again and built a second graph (a detector's start-up doubled).
+    Relaxed, the one graph takes every size."""
+    outcome = assert_same_as_eager(same_area_images_program, 12, expect_fallbacks=0,
+                                   max_traces=2, min_coexecuted=6)
+    assert outcome.stats.graph_generations == 1, outcome.report()
+
+
 def read_before_the_tape_program(tape_cls, steps):
     """The last layer's kernel is read before the tape that differentiates the loss opens (a
     scale computed from it, in the same iteration: an outer tape is open) and again inside:

@@ -8,8 +8,9 @@ from test_tracegraph import at, ext, op_at
 
 from terra import graph_builder
 from terra.emitter import EmissionError
-from terra.nodes import ExtRef, OpRef
+from terra.nodes import ExtRef, NodeKind, OpRef
 from terra.plan import link, plan_steps, switch_case_channels
+from terra.trace import OpRecord
 from terra.tracegraph import TraceGraph
 
 
@@ -74,7 +75,25 @@ def test_gradient_regions_keeps_a_region_recorded_where_nothing_is_fed():
     recs = [op("Square", x), grad_head(1, OpRef(0, 0), x), op("Mul", OpRef(0, 0), x)]
     g = merged(recs, recs)
     _, steps, cases = planned(g)
-    assert graph_builder.gradient_regions(steps, cases, recorded=frozenset()) == set()
+    assert graph_builder.gradient_regions(steps, cases, frozenset(), varying=set()) == set()
+
+
+def test_gradient_regions_are_symbolic_where_the_forward_shapes_may_be_new():
+    """The recorded backward ops read values the traces agreed on; where the forward op may
+    take shapes no trace had, TF's gradient computes them at run time instead."""
+    from test_tracegraph import HERE, grad_head, op
+
+    x = ext(np.ones((4, 3)))
+    head = grad_head(1, OpRef(1, 0), x)
+    head.results = [("t", OpRef(3, 0))]
+    recs = [OpRecord(NodeKind.MARK, "enter", (), [], (), HERE), op("Square", x), head,
+            op("Mul", OpRef(1, 0), x)]
+    g = merged(recs, recs)
+    _, steps, cases = planned(g)
+    square = next(node for node in steps if node.op_type == "Square")
+    grad = next(node for node in steps if node.kind is NodeKind.GRAD)
+    assert graph_builder.gradient_regions(steps, cases, frozenset(), varying=set()) == set()
+    assert graph_builder.gradient_regions(steps, cases, frozenset(), varying={square}) == {grad}
 
 
 def test_an_error_while_emitting_names_the_node_and_the_users_line():

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from terra.location import Location
-from terra.nodes import ExtRef, NodeKind, OpRef, SlotKind, VarRef
+from terra.nodes import ExtRef, NodeKind, OpRef, SlotKind, VarRef, relax_feeds
 from terra.trace import OpRecord
 from terra.tracegraph import TraceGraph
 
@@ -269,3 +269,30 @@ def test_a_constant_that_varied_is_fed_only_where_its_call_stack_issued_it():
     assert first.inputs[1].kind is SlotKind.FEED, str(g)
     assert second.inputs[1].kind is SlotKind.CONST, str(g)
     g.lint()
+
+
+def test_fed_inputs_whose_shape_held_still_are_relaxed_where_others_varied():
+    """Images of two sizes with one area: the value computed per iteration over their
+    feature map (anchors) kept its length in both traces by chance. Where an input's shape
+    varied, the others' dimensions are relaxed, but not the sizes the varying ones keep (the
+    batch, the channels), nor 0 and 1."""
+    graph = TraceGraph()
+    for h, w in ((4, 6), (6, 4)):
+        graph.merge([
+            op("Relu", ext(np.ones((1, h, w, 3)))),  # the image: varies
+            op("Mul", ext(np.ones((h * w * 5,))), ext(np.ones((h * w * 5, 3))),
+               shape=(h * w * 5,)),  # per-iteration values of one length
+            op("Neg", ext(np.ones((7, 1)) * h)),  # neither the image's sizes nor varying
+        ])
+    relax_feeds(graph.nodes)
+    shapes = {n.op_type: [s.shape for s in n.inputs] for n in graph.nodes if n.inputs}
+    assert shapes == {"Relu": [(1, None, None, 3)], "Mul": [(None,), (None, 3)],
+                      "Neg": [(None, 1)]}, str(graph)
+
+
+def test_fed_inputs_keep_their_shapes_where_no_input_varied():
+    graph = TraceGraph()
+    for step in range(2):
+        graph.merge([op("Abs", ext(np.full((100,), float(step))))])
+    relax_feeds(graph.nodes)
+    assert [s.shape for n in graph.nodes for s in n.inputs] == [(100,)], str(graph)
