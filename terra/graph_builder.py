@@ -311,17 +311,17 @@ def _symbolic(step, in_branch, varying):
     ``_backward_feeds`` can only feed the values of signatures a trace had; a shape that keeps
     changing (a boolean mask's row count) would fall back at every new value. The symbolic
     gradient runs the same gradient functions in graph mode, which compute those values from
-    the shapes at run time. So it is taken too where the forward pass may take shapes no trace
-    had (an op of its cone is ``varying``), though the traces' values were equal (two image
-    sizes of one area: a mean's count). It differentiates the graph rather than the tape, so it is taken
-    only where both agree (``TraceNode.taped``: the tape recorded every forward op between
-    the sources and the target) and the region and its forward ops are emitted outside any
-    ``tf.switch_case`` (``in_branch``: a gradient through a switch-case's outputs would rewrite
-    its branches, and inside a branch the sources would have to be mapped to the branch's
-    captures, which is not built); and where Python feeds nothing the region reads (its
-    inputs are validated, never fed). A region merged from the regions of every trip count
-    through a loop (``rolled``) has no recorded ops for trip counts no trace took: it is
-    symbolic, or its loop stays unrolled."""
+    the shapes at run time. So it is taken too where the forward pass may take shapes no
+    trace had (an op of its cone is ``varying``), though the traces' values were equal (two
+    image sizes of one area: a mean's count). It differentiates the graph rather than the
+    tape, so it is taken only where both agree (``TraceNode.taped``: the tape recorded every
+    forward op between the sources and the target) and the region and its forward ops are
+    emitted outside any ``tf.switch_case`` (``in_branch``: a gradient through a switch-case's
+    outputs would rewrite its branches, and inside a branch the sources would have to be
+    mapped to the branch's captures, which is not built); and where Python feeds nothing the
+    region reads (its inputs are validated, never fed). A region merged from the regions of
+    every trip count through a loop (``rolled``) has no recorded ops for trip counts no trace
+    took: it is symbolic, or its loop stays unrolled."""
     node = step.node
     if step.kind is not NodeKind.GRAD or not node.taped:
         return False
