@@ -7,7 +7,8 @@ own cost per op is ``(Terra - floor) / N``, with N the ops the PythonRunner is h
 step, from the loop thread's CPU time and from the wall time (medians over repeats). A last
 block of Terra's steps also times the ops inside Terra's door directly (the time in
 ``CoexecDoor.fast``/``slow`` less the waits for the graph, ``terra.stats().python_stall``):
-validation, stand-ins, feeds and path following, without cProfile's distortion.
+validation, stand-ins, feeds and path following, without cProfile's distortion; the timing
+probe's own time per call, measured around a door that does nothing, is taken off.
 
 Programs: ``chain`` (defined here: a step of ~500 cheap ops on 4x4 tensors, no Keras, so Terra
 and the floor run the same Python) and any of ``benchmarks.programs``. On a Keras model the
@@ -32,6 +33,7 @@ CHAIN_OPS = 500  # the chain step's ops (ReadVariableOp, AddV2, Mul, StridedSlic
 # program -> (warm-up, timed steps); yolov3 warms up over its eight batches three times, so
 # the output shapes its boolean masks give are known (inferred once, then looked up)
 DEFAULTS = {"chain": (8, 200), "yolov3": (24, 16)}
+PROBE_CALLS = 20000  # calls of an empty door, timed as the real one is: the probe's own time
 
 
 def chain_program(seed: int):
@@ -107,6 +109,7 @@ def _door_timed(prog, step_fn, steps) -> dict:
     per step and its own time per op (less its waits for the graph). Also Terra's counters."""
     import terra
     from benchmarks.programs import run
+    from terra import runtime
     from terra.doors import CoexecDoor
 
     counts = {"ops": 0, "depth": 0, "time": 0.0}
@@ -130,9 +133,17 @@ def _door_timed(prog, step_fn, steps) -> dict:
     CoexecDoor.fast, CoexecDoor.slow = timed(CoexecDoor.fast), timed(CoexecDoor.slow)
     run(prog, steps, step_fn)
     after = terra.stats()
-    return dict(ops=counts["ops"] / steps, coexecuted=after.coexecuted - before.coexecuted,
+    ops, spent = counts["ops"], counts["time"]
+    # the probe's own share of what it timed: the same wrapper around a door that does nothing
+    empty = timed(lambda self, *args: None)
+    door = CoexecDoor(runtime.current())
+    counts.update(ops=0, time=0.0)
+    for _ in range(PROBE_CALLS):
+        empty(door, None, "AddV2", None, ())
+    probe = counts["time"] / PROBE_CALLS
+    return dict(ops=ops / steps, coexecuted=after.coexecuted - before.coexecuted,
                 fallbacks=after.fallbacks - before.fallbacks, phase=after.phase,
-                door_us=counts["time"] / max(counts["ops"], 1) * 1e6)
+                door_us=(spent / max(ops, 1) - probe) * 1e6, probe_us=probe * 1e6)
 
 
 def measure(programs, repeats, timeout, log=print) -> list[dict]:
@@ -170,6 +181,7 @@ def summarize(runs) -> str:
         "own us/op (CPU)": lambda t, f: (t["cpu_ms"] - f["cpu_ms"]) * 1e3 / t["ops"],
         "own us/op (wall)": lambda t, f: (t["ms"] - f["ms"]) * 1e3 / t["ops"],
         "door us/op": lambda t, f: t["door_us"],
+        "probe us": lambda t, f: t["probe_us"],
     }
     lines = ["| program | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for program in dict.fromkeys(r["program"] for r in runs):

@@ -122,7 +122,7 @@ class CoexecDoor:
         at = runner.cur  # where the op found the runner: was its step matched?
         lane = runner.lanes.get(at)
         if lane and lane.op_type == op_type:  # the common case, without a call more per op
-            result = lanes.follow(runner, lane, args)  # raises nothing: a MISS did nothing
+            result = lane.follow(args)  # raises nothing: a MISS did nothing
             if result is not lanes.MISS:
                 return result
         try:

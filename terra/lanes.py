@@ -12,6 +12,12 @@ else, from a Python value never validated before to a step at the path's end, is
 :data:`MISS`: nothing was done yet, and the general path handles the op, with its checks and
 its messages. So a lane changes how fast an op is matched, never whether it matches.
 
+A lane's ``follow`` is straight-line Python written for its step (:func:`_source`): one
+check per input in order, no loop over check descriptors and no dispatch on their kinds,
+the step's constants bound in a closure. Lanes of one form (input kinds, outputs, packing)
+share one compiled factory, so a program compiles a handful, however many ops it has;
+``Lane.source`` is the code a lane runs, to read.
+
 Lanes are the runner's own table, like its other memos: the plan is only read.
 """
 
@@ -25,40 +31,25 @@ from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
 from terra.validation import value_key
 
-_EagerTensor = ops.EagerTensor
-_tape_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
-
 MISS = object()  # "take the general path": the lane did nothing
-_NOTHING = object()  # no Python value matched yet
-_IMMUTABLE = (int, float, bool, tuple)  # those value_key knows (a tuple: of scalars)
 
-# How one input is checked (the first element of a Lane's check tuples).
-_NODE = 0  # (_NODE, producer node, output): a stand-in of this iteration from that output
-# (_CONST, slot, fed key or None, [the last immutable Python value matched], the value's
-# shape if numeric, its bytes): the slot's constant value; a Python literal is the same
-# object at every call, so its identity is enough once its value was found among the slot's
-# (a list or an array may have changed)
-_CONST = 1
-_SAME_TENSOR = 2  # (_SAME_TENSOR, tensor id, fed key or None): that very tensor
+# How one input is checked: the kinds of a lane's form.
+_NODE = "node"  # a stand-in of this iteration from the one producer's output
+_CONST = "const"  # the slot's constant: a Python value or a tensor, by value
+_SAME_TENSOR = "same"  # that very tensor (a variable's handle, a capture)
 
 
 class Lane:
-    """The edge into ``step`` from a step with no other successor: what matching an op
-    there needs, precomputed (``checks`` per input, ``plan`` to pack the results)."""
+    """The edge into ``step`` from a step with no other successor: ``follow(args)`` matches
+    a fast-path call there (the op's results, or :data:`MISS`); ``source`` is its code."""
 
-    __slots__ = ("step", "op_type", "n", "info", "attrs", "checks", "plan", "sources")
+    __slots__ = ("step", "op_type", "follow", "source")
 
-    def __init__(self, step, info, attrs, checks, plan, sources):
+    def __init__(self, step, follow, source):
         self.step = step
         self.op_type = step.op_type
-        self.info = info
-        self.n = info.n_inputs
-        self.attrs = attrs  # the raw fast-path attr tuple validated at this step
-        self.checks = checks
-        self.plan = plan
-        # per output, the dummy the stand-ins copy and its spares (StandIns.sources); None where
-        # the output shapes follow the input shapes (looked up per call)
-        self.sources = sources
+        self.follow = follow
+        self.source = source
 
 
 def build(runner, cur, step, info, attrs, plan):
@@ -72,21 +63,29 @@ def build(runner, cur, step, info, attrs, plan):
             step.next == [None] or \
             runner.checks.fast_attrs.get(step) != attrs:
         return False
-    checks = []
+    kinds, bound = [], {}
     for i, slot in enumerate(step.slots):
         kind = slot.kind
         fed = (step.node, i) if (step.node, i) in runner.reread else None
         if kind is SlotKind.NODE and len(slot.alts) == 1 and \
                 not runner.step_of[slot.alts[0][0]].looped:
-            checks.append((_NODE, *slot.alts[0]))
+            kinds.append((_NODE, False))
+            bound[f"N{i}"], bound[f"K{i}"] = slot.alts[0]
         elif kind is SlotKind.CONST:
-            # a numeric constant's bytes are compared through a memoryview, without a copy
+            kinds.append((_CONST, fed is not None))
+            # a Python literal is the same object at every call, so its identity is enough
+            # once its value was found among the slot's (a list or an array may have changed):
+            # [the last immutable value matched, the last array's (dtype, shape, bytes)]
+            bound[f"LAST{i}"] = [MISS, None]
+            bound[f"SID{i}"], bound[f"DT{i}"], bound[f"FED{i}"] = id(slot), slot.dtype, fed
             numeric = slot.value is not None and slot.value.dtype.kind in "biufc"
-            checks.append((_CONST, slot, fed, [_NOTHING],
-                           slot.value.shape if numeric else None, slot.value_bytes))
+            bound[f"SHAPE{i}"] = slot.value.shape if slot.value is not None else None
+            bound[f"BYTES{i}"] = slot.value_bytes
+            kinds[-1] += (numeric,)
         elif kind is SlotKind.VAR or kind is SlotKind.CAPTURE:
-            checks.append((_SAME_TENSOR, slot.tensor._id, fed if kind is SlotKind.CAPTURE
-                           else None))
+            fed = fed if kind is SlotKind.CAPTURE else None
+            kinds.append((_SAME_TENSOR, fed is not None))
+            bound[f"ID{i}"], bound[f"FED{i}"] = slot.tensor._id, fed
         else:
             return False
     sources = None
@@ -94,98 +93,164 @@ def build(runner, cur, step, info, attrs, plan):
         sources = _sources(runner.standins, step.out_specs)  # made by the general path
         if sources is None:
             return False
-    return Lane(step, info, attrs, tuple(checks), plan, sources)
+    form = (info.n_inputs, info.has_list, not attrs, tuple(kinds), len(step.out_specs),
+            sources is None, plan == "one", step.has_fetch)
+    factory, source = _factory(form)
+    outs = {f"SRC{k}": s for k, s in enumerate(sources or ())}
+    follow = factory(runner=runner, STEP=step, INFO=info, ATTRS=attrs, PLAN=plan,
+                     **bound, **outs)
+    return Lane(step, follow, source)
 
 
-def follow(runner, lane, args):
-    """Match the fast-path call ``args`` along ``lane``: the op's results, or :data:`MISS`
-    (nothing done) where the general path must decide."""
-    n = lane.n
-    if args[n:] != lane.attrs:
-        return MISS
-    inputs = args[:n]
-    flat = flatten(lane.info, inputs) if lane.info.has_list else inputs
-    checks = lane.checks
-    if len(flat) != len(checks):
-        return MISS
-    it, tensors, memo = runner.it, runner.tensors, runner.checks
-    logged = []
-    consts = None  # (slot, tensor id) of constants validated by value: memoized if matched
-    fed = None  # (node, input) -> tensor id, for the slots reading them again
-    for a, check in zip(flat, checks):
-        code = check[0]
-        if type(a) is not _EagerTensor:
-            if code != _CONST:
-                return MISS
-            if a is not check[3][0]:
-                if value_key(a) not in memo.known.get(id(check[1]), ()):
-                    return MISS
-                if type(a) in _IMMUTABLE:
-                    check[3][0] = a
-        elif code == _NODE:
-            e = tensors.get(a._id)
-            if e is None or e.iteration is not it or e.step.node is not check[1] or \
-                    e.out != check[2]:
-                return MISS
-            a = e
-        elif tensors.get(a._id) is not None:  # a stand-in where an external value is read
-            return MISS
-        elif code == _CONST:
-            slot = check[1]
-            if a._id != memo.const_ids.get(id(slot)):
-                if a._datatype_enum() != slot.dtype:
-                    return MISS
-                v = a._numpy_internal()  # bytes: -0.0 or another NaN counts as a change
-                shape = check[4]
-                if shape is None:
-                    if v.shape != slot.value.shape or v.tobytes() != slot.value_bytes:
-                        return MISS
-                elif v.shape != shape or not v.flags.c_contiguous or \
-                        v.data.cast("B") != check[5]:
-                    return MISS
-                consts = consts or []
-                consts.append((slot, a._id))
-            if check[2] is not None:
-                fed = fed or {}
-                fed[check[2]] = a._id
-        elif a._id != check[1]:
-            return MISS
-        elif check[2] is not None:
-            fed = fed or {}
-            fed[check[2]] = a._id
+_factories = {}  # a lane's form -> (its factory, its source)
+
+
+def _factory(form):
+    """The compiled factory of lanes of ``form``, and its source."""
+    made = _factories.get(form)
+    if made is None:
+        source = _source(form)
+        scope = dict(_GLOBALS)
+        exec(compile(source, f"<terra lane {len(_factories)}>", "exec"), scope)  # noqa: S102
+        made = _factories[form] = (scope["make"], source)
+    return made
+
+
+_GLOBALS = {
+    "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "LoggedOp": LoggedOp,
+    "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
+    "flatten": flatten, "pack_fast": pack_fast, "tape_stopped": pywrap_tfe.TFE_Py_TapeSetIsStopped,
+}
+
+
+def _source(form):
+    """The source of the factory of lanes of ``form``: ``make(runner, STEP, ...)`` returns
+    ``follow(args)``, which does, for one step, what the general path does in its common
+    case (see the module's docstring): the checks of each input, then the stand-ins, the
+    log record and the move, or :data:`MISS` before anything was done."""
+    n, has_list, bare, kinds, n_out, shaped, one, fetch = form
+    names = [f"N{i}, K{i}" if k[0] == _NODE else
+             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}" if k[0] == _CONST else
+             f"ID{i}, FED{i}" for i, k in enumerate(kinds)]
+    params = ", ".join(["runner", "STEP", "INFO", "ATTRS", "PLAN", *names,
+                        *[f"SRC{k}" for k in range(0 if shaped else n_out)]])
+    args = ", ".join(f"a{i}" for i in range(len(kinds)))
+    code = [f"def make({params}):",
+            "    tensors, memo, seqs, visits = runner.tensors, runner.checks, runner.seqs, "
+            "runner.visits",
+            "    const_ids, known, device = memo.const_ids, memo.known, runner.standins.device",
+            "    static = STEP.static",
+            "",
+            "    def follow(args):",
+            # with no attrs, a shorter call would pass the attrs' test
+            f"        if len(args) != {n}:" if bare else f"        if args[{n}:] != ATTRS:",
+            "            return MISS"]
+    if has_list:
+        code += [f"        flat = flatten(INFO, args[:{n}])",
+                 f"        if len(flat) != {len(kinds)}:",
+                 "            return MISS",
+                 f"        {args}{',' if len(kinds) == 1 else ''} = flat"]
+    elif kinds:
+        code.append(f"        {args}{',' if len(kinds) == 1 else ''} = args[:{n}]")
+    code.append("        it = runner.it")
+    logged, fed = [], []
+    for i, (kind, reread, *numeric) in enumerate(kinds):
+        a = f"a{i}"
+        if kind == _NODE:
+            code += [f"        if type({a}) is not ET:",
+                     "            return MISS",
+                     f"        e{i} = tensors.get({a}._id)",
+                     f"        if e{i} is None or e{i}.iteration is not it or "
+                     f"e{i}.step.node is not N{i} or e{i}.out != K{i}:",
+                     "            return MISS"]
+            logged.append(f"e{i}")
+            continue
         logged.append(a)
-    step = lane.step
-    sources = lane.sources
-    if sources is None:
-        sources = _shaped_sources(runner, step, flat)
-        if sources is None:
-            return MISS
-    # matched: from here on, what the general path does once its checks passed
-    if consts is not None:
-        for slot, tid in consts:
-            memo.const_ids[id(slot)] = tid
-    if fed is not None:
-        it.fed.update(fed)
-    # the stand-ins, as StandIns.make makes them
-    device, escaping, static = runner.standins.device, it.entries, step.static
-    seq = runner.seq
-    visit = runner.visits.get(step, 0)
-    outs, entries = [], []
-    for k, (dummy, spare) in enumerate(sources):
-        s = spare.pop() if spare else dummy._copy_to_device(device)
-        e = Entry(runner, it, step, k, static[k], visit, seq)
-        tensors[s._id] = e
-        escaping.append((e, s))
-        outs.append(s)
-        entries.append(e)
-    it.log.append(LoggedOp(step, logged, entries, _tape_stopped()))
-    runner.cur = step  # and passed, as PythonRunner._move passes it
-    runner.seqs[step] = seq
-    runner.seq = seq + 1
-    if step.has_fetch:
-        runner._visit(step)
-    plan = lane.plan
-    return outs[0] if plan == "one" else pack_fast(plan, outs)
+        if reread:
+            fed.append(i)
+        if kind == _SAME_TENSOR:
+            code += [f"        if type({a}) is not ET or {a}._id != ID{i} or {a}._id in tensors:",
+                     "            return MISS"]
+            continue
+        # a constant: a tensor of the slot's value (the one validated last, by its id), or a
+        # Python value validated before (the same immutable object or array as last time)
+        compare = (f"v.shape != SHAPE{i} or not v.flags.c_contiguous or "
+                   f"v.data.cast('B') != BYTES{i}") if numeric[0] else \
+            f"v.shape != SHAPE{i} or v.tobytes() != BYTES{i}"
+        code += [f"        if type({a}) is ET:",
+                 f"            if {a}._id in tensors:  # a stand-in where a value is read",
+                 "                return MISS",
+                 f"            if {a}._id != const_ids.get(SID{i}):",
+                 f"                if {a}._datatype_enum() != DT{i}:",
+                 "                    return MISS",
+                 f"                v = {a}._numpy_internal()  # bytes: -0.0 or another NaN differ",
+                 f"                if {compare}:",
+                 "                    return MISS",
+                 f"                const_ids[SID{i}] = {a}._id  # this tensor has the value",
+                 f"        elif {a} is not LAST{i}[0]:",
+                 f"            if type({a}) is ndarray and LAST{i}[1] is not None:",
+                 f"                dtype, shape, data = LAST{i}[1]",
+                 f"                ok = {a}.dtype is dtype and {a}.shape == shape and "
+                 f"{a}.tobytes() == data",
+                 "            else:",
+                 "                ok = False",
+                 "            if not ok:",
+                 f"                key = value_key({a})",
+                 f"                if key not in known.get(SID{i}, ()):",
+                 "                    return MISS",
+                 f"                if type({a}) in IMMUTABLE:",
+                 f"                    LAST{i}[0] = {a}",
+                 f"                elif type({a}) is ndarray:",
+                 f"                    LAST{i}[1] = ({a}.dtype, key[1], key[2])"]
+    if shaped:  # output shapes follow the input shapes: looked up, or the general path
+        flat = f"({args}{',' if len(kinds) == 1 else ''})"
+        code += [f"        sources = shaped_sources(runner, STEP, {flat})",
+                 "        if sources is None:",
+                 "            return MISS"]
+    code.append("        # matched: from here on, what the general path does once checks passed")
+    for i in fed:  # for the slots reading them again
+        line = f"it.fed[FED{i}] = a{i}._id"
+        if kinds[i][0] == _CONST:  # a Python value is converted anew: nothing to read again
+            code += [f"        if type(a{i}) is ET:", f"            {line}"]
+        else:
+            code.append(f"        {line}")
+    code.append("        seq = runner.seq")
+    # a step's position in its fetch channels; 0 where it has none (PythonRunner._visit)
+    visit = "visit" if fetch else "0"
+    if fetch:
+        code.append("        visit = visits.get(STEP, 0)")
+    if shaped or n_out > 1:
+        outs = "outs"
+        sources = "sources" if shaped else f"({', '.join(f'SRC{k}' for k in range(n_out))},)"
+        code += ["        outs, entries = [], []",
+                 f"        for k, (dummy, spare) in enumerate({sources}):",
+                 "            s = spare.pop() if spare else dummy._copy_to_device(device)",
+                 f"            e = Entry(runner, it, STEP, k, static[k], {visit}, seq)",
+                 "            tensors[s._id] = e",
+                 "            it.entries.append((e, s))",
+                 "            outs.append(s)",
+                 "            entries.append(e)"]
+    else:
+        outs = None
+        code += ["        dummy, spare = SRC0",
+                 "        s = spare.pop() if spare else dummy._copy_to_device(device)",
+                 f"        e = Entry(runner, it, STEP, 0, static[0], {visit}, seq)",
+                 "        tensors[s._id] = e",
+                 "        it.entries.append((e, s))"]
+    inputs, entries = ", ".join(logged), "[e]" if outs is None else "entries"
+    code += [f"        it.log.append(LoggedOp(STEP, [{inputs}], {entries}, tape_stopped()))",
+             "        runner.cur = STEP  # and passed, as PythonRunner._move passes it",
+             "        seqs[STEP] = seq",
+             "        runner.seq = seq + 1"]
+    if fetch:
+        code.append("        runner._visit(STEP)")
+    if outs is None:
+        code.append("        return s" if one else "        return pack_fast(PLAN, [s])")
+    else:
+        code.append(f"        return {outs}[0]" if one else
+                    f"        return pack_fast(PLAN, {outs})")
+    code += ["", "    return follow", ""]
+    return "\n".join(code)
 
 
 def _sources(standins, specs):
@@ -198,8 +263,11 @@ def _shaped_sources(runner, step, flat):
     """The dummies and spares of ``step``'s outputs for the input shapes of ``flat`` (a step
     whose output shapes follow them): where a trace had these shapes or the shape function
     was asked about them before (``StandIns.specs``) and the dummies exist; else None."""
-    key = tuple(a._shape_tuple() if type(a) is _EagerTensor else np.shape(a) for a in flat)
+    key = tuple(a._shape_tuple() if type(a) is ops.EagerTensor else np.shape(a) for a in flat)
     specs = step.node.sigs.get(key)
     if specs is None:
         specs = runner.standins.inferred.get((step, key))
     return None if specs is None else _sources(runner.standins, specs)
+
+
+_GLOBALS["shaped_sources"] = _shaped_sources

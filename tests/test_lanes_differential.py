@@ -4,6 +4,8 @@ it always did: each program changes, after some co-executed iterations along lan
 thing a lane checks (a Python scalar, a numpy array, a list of scalars, a constant tensor's
 value, an input's producer) and must give eager's numbers."""
 
+import collections
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -17,16 +19,25 @@ CHANGE_AT = 8  # co-execution starts at step 3 (warm-up, two traces): lanes from
 
 @pytest.fixture
 def followed(monkeypatch):
-    """How many ops lanes answered (not ``MISS``) in the Terra run."""
-    answered = [0]
-    original = lanes.follow
+    """How many ops lanes answered (not ``MISS``) in the Terra run, by op type and by whether
+    the lane looks its output shapes up (``shaped``)."""
+    answered = collections.Counter()
+    original = lanes.build
 
-    def follow(runner, lane, args):
-        result = original(runner, lane, args)
-        answered[0] += result is not lanes.MISS
-        return result
+    def build(runner, cur, step, *args):
+        lane = original(runner, cur, step, *args)
+        if lane:
+            follow, kind = lane.follow, (step.op_type, step.check_shapes)
 
-    monkeypatch.setattr(lanes, "follow", follow)
+            def counted(call_args):
+                result = follow(call_args)
+                answered[kind] += result is not lanes.MISS
+                return result
+
+            lane.follow = counted
+        return lane
+
+    monkeypatch.setattr(lanes, "build", build)
     return answered
 
 
@@ -65,4 +76,34 @@ def test_a_changed_input_leaves_the_lane_for_the_general_path(change, followed):
     changed = change != "none"  # a fallback, then traces of the new path
     assert_same_as_eager(chain_program(change), STEPS, expect_fallbacks=(changed, None),
                          max_traces=2 + 2 * changed)
-    assert followed[0] > 0
+    assert sum(followed.values()) > 0
+
+
+def forms_program(tape_cls, steps):
+    """Ops of the lane forms the chain has not: several outputs packed as a list (``Unpack``),
+    a captured tensor (the same object every step) read by two ops, a constant tensor made
+    once a step and read by two ops, and batches of two sizes (output shapes looked up by
+    input shapes)."""
+    rng = np.random.default_rng(5)
+    w = tf.Variable(rng.normal(size=(3, 4)).astype("float32"))
+    big = tf.constant(rng.normal(size=(100, 4)).astype("float32"))  # captured
+    xs = [tf.constant(rng.normal(size=(n, 3)).astype("float32")) for n in (6, 4)]
+    losses = []
+    for step in range(steps):
+        x = xs[step % 2]
+        with tape_cls() as tape:
+            scale = tf.constant([1.5, 0.5, 1.0, 2.0])  # a fresh tensor, read twice
+            h = tf.matmul(x, w) * scale
+            a, b = tf.unstack(tf.reshape(h, [-1, 2, 2]), axis=1)  # two outputs
+            m = tf.reduce_mean(big, 0) + scale  # the capture and the constant again
+            loss = tf.reduce_sum(a * b) + tf.reduce_sum(m * tf.reduce_mean(big * 0.5, 0))
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+        losses.append(float(loss))
+    return {"losses": losses, "w": w}
+
+
+def test_lanes_of_every_form_keep_eagers_numbers(followed):
+    assert_same_as_eager(forms_program, STEPS, max_traces=3)
+    assert followed[("Unpack", True)] > 0, followed  # packed outputs, shapes looked up
+    assert followed[("Mean", False)] > 0, followed  # the captured tensor
+    assert followed[("Mul", True)] > 0, followed  # the step's constant, read again later
