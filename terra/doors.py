@@ -20,6 +20,7 @@ from terra.hooks import tensors as _tensors  # the one dict, never rebound: one 
 
 _EagerTensor = ops.EagerTensor
 _Variable = resource_variable_ops.BaseResourceVariable
+_MISS = lanes.MISS
 
 
 class TracingDoor:
@@ -121,11 +122,11 @@ class CoexecDoor:
         runner = rt.runner
         at = runner.cur  # where the op found the runner: was its step matched?
         lane = runner.lanes.get(at)
-        if lane and lane.op_type == op_type:  # the common case, without a call more per op
-            result = lane.follow(args)  # raises nothing: a MISS did nothing
-            if result is not lanes.MISS:
-                return result
         try:
+            if lane and lane.op_type == op_type:  # the common case, without a call more per op
+                result = lane.follow(args)  # a MISS did nothing
+                if result is not _MISS:
+                    return result
             return runner.fast(ctx, op_type, name, args)
         except _FallbackException:  # the op wrapper takes its slow path, through the doors
             raise

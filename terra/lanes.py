@@ -219,7 +219,10 @@ def _source(form):
     visit = "visit" if fetch else "0"
     if fetch:
         code.append("        visit = visits.get(STEP, 0)")
-    if shaped or n_out > 1:
+    if not shaped and n_out == 0:
+        outs = "outs"
+        code.append("        outs, entries = [], []")
+    elif shaped or n_out > 1:
         outs = "outs"
         sources = "sources" if shaped else f"({', '.join(f'SRC{k}' for k in range(n_out))},)"
         code += ["        outs, entries = [], []",

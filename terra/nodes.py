@@ -36,6 +36,7 @@ SMALL_CONST = 64  # elements; larger external tensors are always fed
 # elements (scalars, shapes, strides, axes) it is taken for a constant, anything larger (a
 # label batch) is fed. A wrong guess costs a fallback, or a feed of a value that never changes.
 ONCE_CONST = 8
+_INTEGERS = frozenset(d.as_datatype_enum for d in (dtypes.int32, dtypes.int64))
 
 
 def relax(shape, new):
@@ -57,9 +58,12 @@ def relax_feeds(nodes):
     image sizes with the same area). A fixed dimension there costs a fallback, a trace and a
     second graph at the first size no trace had; an unknown one costs a little static shape
     information. A size the varying inputs keep fixed (the batch, the channels) is taken for
-    that same quantity and kept, and so are sizes 0 and 1 (a batch of one, a kept dimension).
+    that same quantity and kept, and so are sizes 0 and 1 (a batch of one, a kept dimension)
+    and the length of a small integer vector (a shape, a size: its length is a rank).
     Relaxed as an observation would (:func:`relax`): validation and the graph follow it."""
-    feeds = [s for n in nodes for s in n.inputs if s.kind is SlotKind.FEED]
+    feeds = [s for n in nodes for s in n.inputs if s.kind is SlotKind.FEED and
+             not (s.dtype in _INTEGERS and s.shape and None not in s.shape and
+                  int(np.prod(s.shape)) <= SMALL_CONST)]
     varied = [s.shape or () for s in feeds if s.shape is None or None in s.shape]
     if not varied:
         return

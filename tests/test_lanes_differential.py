@@ -82,12 +82,13 @@ def test_a_changed_input_leaves_the_lane_for_the_general_path(change, followed):
 def forms_program(tape_cls, steps):
     """Ops of the lane forms the chain has not: several outputs packed as a list (``Unpack``),
     a captured tensor (the same object every step) read by two ops, a constant tensor made
-    once a step and read by two ops, and batches of two sizes (output shapes looked up by
-    input shapes)."""
+    once a step and read by two ops, an op without outputs mid-step (a variable's update),
+    and batches of two sizes (output shapes looked up by input shapes)."""
     rng = np.random.default_rng(5)
     w = tf.Variable(rng.normal(size=(3, 4)).astype("float32"))
     big = tf.constant(rng.normal(size=(100, 4)).astype("float32"))  # captured
     xs = [tf.constant(rng.normal(size=(n, 3)).astype("float32")) for n in (6, 4)]
+    count = tf.Variable(0.0)
     losses = []
     for step in range(steps):
         x = xs[step % 2]
@@ -95,11 +96,12 @@ def forms_program(tape_cls, steps):
             scale = tf.constant([1.5, 0.5, 1.0, 2.0])  # a fresh tensor, read twice
             h = tf.matmul(x, w) * scale
             a, b = tf.unstack(tf.reshape(h, [-1, 2, 2]), axis=1)  # two outputs
-            m = tf.reduce_mean(big, 0) + scale  # the capture and the constant again
+            count.assign_add(tf.reduce_sum(scale))
+            m = tf.reduce_mean(big, 0) + scale * count  # the capture and the constant again
             loss = tf.reduce_sum(a * b) + tf.reduce_sum(m * tf.reduce_mean(big * 0.5, 0))
         w.assign_sub(0.01 * tape.gradient(loss, w))
         losses.append(float(loss))
-    return {"losses": losses, "w": w}
+    return {"losses": losses, "w": w, "count": count}
 
 
 def test_lanes_of_every_form_keep_eagers_numbers(followed):
@@ -107,3 +109,4 @@ def test_lanes_of_every_form_keep_eagers_numbers(followed):
     assert followed[("Unpack", True)] > 0, followed  # packed outputs, shapes looked up
     assert followed[("Mean", False)] > 0, followed  # the captured tensor
     assert followed[("Mul", True)] > 0, followed  # the step's constant, read again later
+    assert followed[("AssignAddVariableOp", False)] > 0, followed  # no outputs

@@ -283,11 +283,13 @@ def test_fed_inputs_whose_shape_held_still_are_relaxed_where_others_varied():
             op("Mul", ext(np.ones((h * w * 5,))), ext(np.ones((h * w * 5, 3))),
                shape=(h * w * 5,)),  # per-iteration values of one length
             op("Neg", ext(np.ones((7, 1)) * h)),  # neither the image's sizes nor varying
+            op("Reshape", OpRef(1, 0), ExtRef(tf.constant([h * w, 5 + h]))),  # a shape
         ])
     relax_feeds(graph.nodes)
-    shapes = {n.op_type: [s.shape for s in n.inputs] for n in graph.nodes if n.inputs}
+    shapes = {n.op_type: [s.shape for s in n.inputs if s.kind is SlotKind.FEED]
+              for n in graph.nodes if n.inputs}
     assert shapes == {"Relu": [(1, None, None, 3)], "Mul": [(None,), (None, 3)],
-                      "Neg": [(None, 1)]}, str(graph)
+                      "Neg": [(None, 1)], "Reshape": [(2,)]}, str(graph)
 
 
 def test_fed_inputs_keep_their_shapes_where_no_input_varied():
