@@ -9,8 +9,9 @@ by a test precomputed from its slot (a stand-in of this iteration from the one p
 constant's memo, identity or bytes, a variable's or capture's identity), stand-ins taken
 from the spares or copied from the step's dummies, the step logged and passed. Anything
 else, from a Python value never validated before to a step at the path's end, is a
-:data:`MISS`: nothing was done yet, and the general path handles the op, with its checks and
-its messages. So a lane changes how fast an op is matched, never whether it matches.
+:data:`MISS`: nothing was done yet (but noting a constant tensor found to hold its slot's
+value), and the general path handles the op, with its checks and its messages. So a lane
+changes how fast an op is matched, never whether it matches.
 
 A lane's ``follow`` is straight-line Python written for its step (:func:`_source`): one
 check per input in order, no loop over check descriptors and no dispatch on their kinds,
@@ -41,7 +42,8 @@ _SAME_TENSOR = "same"  # that very tensor (a variable's handle, a capture)
 
 class Lane:
     """The edge into ``step`` from a step with no other successor: ``follow(args)`` matches
-    a fast-path call there (the op's results, or :data:`MISS`); ``source`` is its code."""
+    a fast-path call there (the op's results, or :data:`MISS`); ``source`` is the code of
+    its form, whose names ``follow`` binds to this step's values."""
 
     __slots__ = ("step", "op_type", "follow", "source")
 
@@ -69,22 +71,21 @@ def build(runner, cur, step, info, attrs, plan):
         fed = (step.node, i) if (step.node, i) in runner.reread else None
         if kind is SlotKind.NODE and len(slot.alts) == 1 and \
                 not runner.step_of[slot.alts[0][0]].looped:
-            kinds.append((_NODE, False))
+            kinds.append((_NODE, False, False))
             bound[f"N{i}"], bound[f"K{i}"] = slot.alts[0]
         elif kind is SlotKind.CONST:
-            kinds.append((_CONST, fed is not None))
+            numeric = slot.value is not None and slot.value.dtype.kind in "biufc"
+            kinds.append((_CONST, fed is not None, numeric))
             # a Python literal is the same object at every call, so its identity is enough
             # once its value was found among the slot's (a list or an array may have changed):
             # [the last immutable value matched, the last array's (dtype, shape, bytes)]
             bound[f"LAST{i}"] = [MISS, None]
             bound[f"SID{i}"], bound[f"DT{i}"], bound[f"FED{i}"] = id(slot), slot.dtype, fed
-            numeric = slot.value is not None and slot.value.dtype.kind in "biufc"
             bound[f"SHAPE{i}"] = slot.value.shape if slot.value is not None else None
             bound[f"BYTES{i}"] = slot.value_bytes
-            kinds[-1] += (numeric,)
         elif kind is SlotKind.VAR or kind is SlotKind.CAPTURE:
             fed = fed if kind is SlotKind.CAPTURE else None
-            kinds.append((_SAME_TENSOR, fed is not None))
+            kinds.append((_SAME_TENSOR, fed is not None, False))
             bound[f"ID{i}"], bound[f"FED{i}"] = slot.tensor._id, fed
         else:
             return False
@@ -116,10 +117,28 @@ def _factory(form):
     return made
 
 
+def _sources(standins, specs):
+    """Per spec, its dummy and spares (``StandIns.sources``); None if one is missing."""
+    found = [standins.sources.get(spec) for spec in specs]
+    return None if None in found else found
+
+
+def _shaped_sources(runner, step, flat):
+    """The dummies and spares of ``step``'s outputs for the input shapes of ``flat`` (a step
+    whose output shapes follow them): where a trace had these shapes or the shape function
+    was asked about them before (``StandIns.specs``) and the dummies exist; else None."""
+    key = tuple(a._shape_tuple() if type(a) is ops.EagerTensor else np.shape(a) for a in flat)
+    specs = step.node.sigs.get(key)
+    if specs is None:
+        specs = runner.standins.inferred.get((step, key))
+    return None if specs is None else _sources(runner.standins, specs)
+
+
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "LoggedOp": LoggedOp,
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "tape_stopped": pywrap_tfe.TFE_Py_TapeSetIsStopped,
+    "shaped_sources": _shaped_sources,
 }
 
 
@@ -154,7 +173,7 @@ def _source(form):
         code.append(f"        {args}{',' if len(kinds) == 1 else ''} = args[:{n}]")
     code.append("        it = runner.it")
     logged, fed = [], []
-    for i, (kind, reread, *numeric) in enumerate(kinds):
+    for i, (kind, reread, numeric) in enumerate(kinds):
         a = f"a{i}"
         if kind == _NODE:
             code += [f"        if type({a}) is not ET:",
@@ -175,7 +194,7 @@ def _source(form):
         # a constant: a tensor of the slot's value (the one validated last, by its id), or a
         # Python value validated before (the same immutable object or array as last time)
         compare = (f"v.shape != SHAPE{i} or not v.flags.c_contiguous or "
-                   f"v.data.cast('B') != BYTES{i}") if numeric[0] else \
+                   f"v.data.cast('B') != BYTES{i}") if numeric else \
             f"v.shape != SHAPE{i} or v.tobytes() != BYTES{i}"
         code += [f"        if type({a}) is ET:",
                  f"            if {a}._id in tensors:  # a stand-in where a value is read",
@@ -254,23 +273,3 @@ def _source(form):
                     f"        return pack_fast(PLAN, {outs})")
     code += ["", "    return follow", ""]
     return "\n".join(code)
-
-
-def _sources(standins, specs):
-    """Per spec, its dummy and spares (``StandIns.sources``); None if one is missing."""
-    found = [standins.sources.get(spec) for spec in specs]
-    return None if None in found else found
-
-
-def _shaped_sources(runner, step, flat):
-    """The dummies and spares of ``step``'s outputs for the input shapes of ``flat`` (a step
-    whose output shapes follow them): where a trace had these shapes or the shape function
-    was asked about them before (``StandIns.specs``) and the dummies exist; else None."""
-    key = tuple(a._shape_tuple() if type(a) is ops.EagerTensor else np.shape(a) for a in flat)
-    specs = step.node.sigs.get(key)
-    if specs is None:
-        specs = runner.standins.inferred.get((step, key))
-    return None if specs is None else _sources(runner.standins, specs)
-
-
-_GLOBALS["shaped_sources"] = _shaped_sources
