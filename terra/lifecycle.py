@@ -231,8 +231,8 @@ class GraphLifecycle:
         t0 = time.perf_counter()
         self._exploring = None
         self._built_from = self.census.paths(self.tracegraph.trips)
-        relax_feeds(self.tracegraph.nodes)  # before the graph and its validation read them
         try:
+            relax_feeds(self.tracegraph.nodes)  # before the graph and its validation read them
             with interception.paused():
                 graph = generate(self.tracegraph, xla=config.xla, exact=config.exact,
                                  fold=self.folded())
