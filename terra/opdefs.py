@@ -371,3 +371,18 @@ def scratch_output_shapes(op_type, attrs, inputs):
     raises when the shape function rejects them."""
     with _scratch_lock:
         return _scratch.output_shapes(op_type, attrs, inputs)
+
+
+# Elementwise ops whose output has their one input's shape, or their inputs' broadcast
+# (numpy's rules are TF's for these; an incompatible pair raises, as TF's shape function does)
+SAME_SHAPE = frozenset({
+    "OnesLike", "ZerosLike", "Identity", "StopGradient", "Neg", "Abs", "Sign", "Exp", "Expm1",
+    "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal", "Sigmoid", "Tanh", "Relu",
+    "Relu6", "Elu", "Selu", "Softplus", "LeakyRelu", "Floor", "Ceil", "Round", "Cast",
+    "LogicalNot", "IsNan", "IsFinite", "Erf", "Sin", "Cos",
+})
+BROADCAST = frozenset({
+    "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "MulNoNan", "Maximum", "Minimum", "Pow",
+    "SquaredDifference", "FloorDiv", "FloorMod", "Less", "LessEqual", "Greater",
+    "GreaterEqual", "LogicalAnd", "LogicalOr", "Atan2", "SelectV2",
+})

@@ -361,7 +361,8 @@ def shape_fn_decides(node):
     knows (input shapes, and the values of small inputs Python computes), as it infers them
     for shapes no trace had; not for ``NonMaxSuppression``, ``Where``, ``Unique``: their
     outputs are fetched wherever shapes vary."""
-    if node.kind is not NodeKind.OP or not node.sigs:
+    if node.kind is not NodeKind.OP or not node.sigs or node.op_type in opdefs.SAME_SHAPE or \
+            node.op_type in opdefs.BROADCAST:  # elementwise: the inputs' shapes or broadcast
         return True
     shapes = next(iter(node.sigs))
     try:

@@ -222,27 +222,12 @@ def inferred_specs(step, flat, key, tensors, memo):
     return specs, values
 
 
-# Elementwise ops whose output has their one input's shape, or their inputs' broadcast
-# (numpy's rules are TF's for these; an incompatible pair raises, as TF's shape function does)
-_SAME_SHAPE = frozenset({
-    "OnesLike", "ZerosLike", "Identity", "StopGradient", "Neg", "Abs", "Sign", "Exp", "Expm1",
-    "Log", "Log1p", "Sqrt", "Rsqrt", "Square", "Reciprocal", "Sigmoid", "Tanh", "Relu",
-    "Relu6", "Elu", "Selu", "Softplus", "LeakyRelu", "Floor", "Ceil", "Round", "Cast",
-    "LogicalNot", "IsNan", "IsFinite", "Erf", "Sin", "Cos",
-})
-_BROADCAST = frozenset({
-    "AddV2", "Sub", "Mul", "RealDiv", "DivNoNan", "MulNoNan", "Maximum", "Minimum", "Pow",
-    "SquaredDifference", "FloorDiv", "FloorMod", "Less", "LessEqual", "Greater",
-    "GreaterEqual", "LogicalAnd", "LogicalOr", "Atan2", "SelectV2",
-})
-
-
 def elementwise_shape(op_type, shapes):
     """The output shape of elementwise ``op_type`` on inputs of ``shapes``; None for another
     op. Raises Divergence where the shapes do not broadcast."""
-    if op_type in _SAME_SHAPE:
+    if op_type in opdefs.SAME_SHAPE:
         return shapes[0]
-    if op_type not in _BROADCAST:
+    if op_type not in opdefs.BROADCAST:
         return None
     try:
         return tuple(np.broadcast_shapes(*shapes))

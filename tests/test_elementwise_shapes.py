@@ -30,9 +30,9 @@ def _scratch(op_type, shapes):
     return tuple(out.as_list())
 
 
-@pytest.mark.parametrize("op_type", sorted(standins._SAME_SHAPE | standins._BROADCAST))
+@pytest.mark.parametrize("op_type", sorted(opdefs.SAME_SHAPE | opdefs.BROADCAST))
 def test_the_shape_is_the_shape_functions(op_type):
-    n = 3 if op_type == "SelectV2" else 1 if op_type in standins._SAME_SHAPE else 2
+    n = 3 if op_type == "SelectV2" else 1 if op_type in opdefs.SAME_SHAPE else 2
     for shapes in SHAPES:
         shapes = (shapes * 3)[:n] if len(shapes) < n else shapes[:n]
         if op_type == "SelectV2" and len(shapes) < 3:
