@@ -3,7 +3,10 @@
 ``pywrap_tfe.TFE_Py_FastPathExecute`` (generated op wrappers) and ``execute.execute`` (their
 slow-path fallbacks and function calls) are module attributes looked up at call time, so
 wrapping them sees every op except C++-internal constant conversion. ``record.record_operation``
-is wrapped the same way, to hear of custom gradients. While a handler is set,
+is wrapped the same way, to hear of custom gradients, and ``constant_op.convert_to_eager_tensor``
+to note which Python scalar each new constant tensor holds (:data:`converted`: a lane then
+knows a fresh ``tf.add(x, 1.0)`` constant by the ``1.0``, without reading the tensor back).
+While a handler is set,
 ops issued by the owning thread go to it; everything else (other threads, Terra's own queue
 ops, which call ``quick_execute`` directly) passes straight through. While no handler is set
 (Terra waiting, or eager between graphs) TF's own functions are put back, so a program Terra
@@ -19,12 +22,19 @@ import threading
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, execute, record
+from tensorflow.python.framework import constant_op
 
 from terra import functions
 
 ORIGINAL_FAST = pywrap_tfe.TFE_Py_FastPathExecute
 ORIGINAL_SLOW = execute.execute_with_callbacks
 ORIGINAL_RECORD = record.record_operation
+ORIGINAL_CONVERT = constant_op.convert_to_eager_tensor
+
+# EagerTensor._id -> the Python scalar (int, float, bool) the owning thread converted to that
+# tensor while a handler was set; the runtime empties it at each iteration's start
+converted: dict = {}
+_SCALARS = (int, float, bool)
 
 _handler = None
 _owner = None
@@ -36,6 +46,13 @@ def _fast(ctx, op_type, name, *args):
     if h is None or _get_ident() != _owner:
         return ORIGINAL_FAST(ctx, op_type, name, *args)
     return h.fast(ctx, op_type, name, args)
+
+
+def _convert(value, ctx, dtype=None):
+    t = ORIGINAL_CONVERT(value, ctx, dtype)
+    if type(value) in _SCALARS and _handler is not None and _get_ident() == _owner:
+        converted[t._id] = value
+    return t
 
 
 def _slow(op_type, num_outputs, inputs, attrs, ctx, name=None):
@@ -90,10 +107,12 @@ def _route(on: bool):
         pywrap_tfe.TFE_Py_FastPathExecute = _fast
         execute.execute = _slow
         record.record_operation = _record
+        constant_op.convert_to_eager_tensor = _convert
     elif _installed:
         pywrap_tfe.TFE_Py_FastPathExecute = ORIGINAL_FAST
         execute.execute = _plain_execute
         record.record_operation = ORIGINAL_RECORD
+        constant_op.convert_to_eager_tensor = ORIGINAL_CONVERT
 
 
 def set_handler(handler):

@@ -26,6 +26,7 @@ import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import ops
 
+from terra import interception
 from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
 from terra.nodes import NodeKind, SlotKind
@@ -83,6 +84,7 @@ def build(runner, cur, step, info, attrs, plan):
             bound[f"SID{i}"], bound[f"DT{i}"], bound[f"FED{i}"] = id(slot), slot.dtype, fed
             bound[f"SHAPE{i}"] = slot.value.shape if slot.value is not None else None
             bound[f"BYTES{i}"] = slot.value_bytes
+            bound[f"SCALARS{i}"] = set()  # (type, value) of Python scalars converted to it
         elif kind is SlotKind.VAR or kind is SlotKind.CAPTURE:
             fed = fed if kind is SlotKind.CAPTURE else None
             kinds.append((_SAME_TENSOR, fed is not None, False))
@@ -138,7 +140,7 @@ _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "LoggedOp": LoggedOp,
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "tape_stopped": pywrap_tfe.TFE_Py_TapeSetIsStopped,
-    "shaped_sources": _shaped_sources,
+    "shaped_sources": _shaped_sources, "converted": interception.converted,
 }
 
 
@@ -149,7 +151,8 @@ def _source(form):
     log record and the move, or :data:`MISS` before anything was done."""
     n, has_list, bare, kinds, n_out, shaped, one, fetch = form
     names = [f"N{i}, K{i}" if k[0] == _NODE else
-             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}" if k[0] == _CONST else
+             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, SCALARS{i}"
+             if k[0] == _CONST else
              f"ID{i}, FED{i}" for i, k in enumerate(kinds)]
     params = ", ".join(["runner", "STEP", "INFO", "ATTRS", "PLAN", *names,
                         *[f"SRC{k}" for k in range(0 if shaped else n_out)]])
@@ -202,9 +205,14 @@ def _source(form):
                  f"            if {a}._id != const_ids.get(SID{i}):",
                  f"                if {a}._datatype_enum() != DT{i}:",
                  "                    return MISS",
-                 f"                v = {a}._numpy_internal()  # bytes: -0.0 or another NaN differ",
-                 f"                if {compare}:",
-                 "                    return MISS",
+                 # a Python scalar converted to it, known to give the value: no read-back
+                 f"                src = converted.get({a}._id)",
+                 f"                if src is None or (type(src), src) not in SCALARS{i}:",
+                 f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
+                 f"                    if {compare}:",
+                 "                        return MISS",
+                 "                    if src:  # not 0, whose key -0.0 shares",
+                 f"                        SCALARS{i}.add((type(src), src))",
                  f"                const_ids[SID{i}] = {a}._id  # this tensor has the value",
                  f"        elif {a} is not LAST{i}[0]:",
                  f"            if type({a}) is ndarray and LAST{i}[1] is not None:",

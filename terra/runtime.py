@@ -143,6 +143,7 @@ class Runtime(Exits):
     def next_iteration(self):
         """The outermost tape is entered: the iteration before ends (and is booked), the next
         one begins in the phase that follows."""
+        interception.converted.clear()
         self._end_iteration()
         self._clocks.stop(self.stats)
         self.span.end()

@@ -110,3 +110,4 @@ def test_lanes_of_every_form_keep_eagers_numbers(followed):
     assert followed[("Mean", False)] > 0, followed  # the captured tensor
     assert followed[("Mul", True)] > 0, followed  # the step's constant, read again later
     assert followed[("AssignAddVariableOp", False)] > 0, followed  # no outputs
+
