@@ -6,7 +6,8 @@ left) in fresh worker processes, paired and interleaved as the main benchmark do
 own cost per op is ``(Terra - floor) / N``, with N the ops the PythonRunner is handed per
 step, from the loop thread's CPU time and from the wall time (medians over repeats). A last
 block of Terra's steps also times the ops inside Terra's door directly (the time in
-``CoexecDoor.fast``/``slow`` less the waits for the graph, ``terra.stats().python_stall``):
+``CoexecDoor.fast``/``slow`` less the waits for the graph, ``terra.stats().python_stall``;
+in total and by op type):
 validation, stand-ins, feeds and path following, without cProfile's distortion; the timing
 probe's own time per call, measured around a door that does nothing, is taken off.
 
@@ -22,6 +23,7 @@ floor runs), so there the door's own time is the figure to read.
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import time
@@ -113,8 +115,9 @@ def _door_timed(prog, step_fn, steps) -> dict:
     from terra.doors import CoexecDoor
 
     counts = {"ops": 0, "depth": 0, "time": 0.0}
+    by_type = collections.defaultdict(lambda: [0, 0.0])  # op type -> [calls, seconds]
 
-    def timed(method):
+    def timed(method, type_at):
         def door(self, *args):
             counts["ops"] += 1
             counts["depth"] += 1
@@ -125,25 +128,30 @@ def _door_timed(prog, step_fn, steps) -> dict:
             finally:
                 counts["depth"] -= 1
                 if not counts["depth"]:  # a variable read inside an op: counted once
-                    counts["time"] += time.perf_counter() - began - (
-                        waiting.stall_time - stalled)
+                    took = time.perf_counter() - began - (waiting.stall_time - stalled)
+                    counts["time"] += took
+                    mine = by_type[args[type_at]]
+                    mine[0] += 1
+                    mine[1] += took
         return door
 
     before = terra.stats()
-    CoexecDoor.fast, CoexecDoor.slow = timed(CoexecDoor.fast), timed(CoexecDoor.slow)
+    CoexecDoor.fast, CoexecDoor.slow = timed(CoexecDoor.fast, 1), timed(CoexecDoor.slow, 0)
     run(prog, steps, step_fn)
     after = terra.stats()
     ops, spent = counts["ops"], counts["time"]
     # the probe's own share of what it timed: the same wrapper around a door that does nothing
-    empty = timed(lambda self, *args: None)
+    types = {op: (n / steps, t / n * 1e6) for op, (n, t) in by_type.items()}
+    empty = timed(lambda self, *args: None, 1)
     door = CoexecDoor(runtime.current())
     counts.update(ops=0, time=0.0)
     for _ in range(PROBE_CALLS):
-        empty(door, None, "AddV2", None, ())
+        empty(door, None, "probe", None, ())
     probe = counts["time"] / PROBE_CALLS
     return dict(ops=ops / steps, coexecuted=after.coexecuted - before.coexecuted,
                 fallbacks=after.fallbacks - before.fallbacks, phase=after.phase,
-                door_us=(spent / max(ops, 1) - probe) * 1e6, probe_us=probe * 1e6)
+                door_us=(spent / max(ops, 1) - probe) * 1e6, probe_us=probe * 1e6,
+                door_by_type={op: (n, us - probe * 1e6) for op, (n, us) in types.items()})
 
 
 def measure(programs, repeats, timeout, log=print) -> list[dict]:
@@ -191,6 +199,22 @@ def summarize(runs) -> str:
     return "\n".join(lines)
 
 
+def summarize_types(runs, top=8) -> str:
+    """Per program, the door's own time by op type (the ops costing the most per step first):
+    calls a step and us a call, medians over repeats."""
+    lines = ["| program | op type | calls/step | door us/call | us/step |", "|---" * 5 + "|"]
+    for program in dict.fromkeys(r["program"] for r in runs):
+        tables = [r["terra"]["door_by_type"] for r in runs if r["program"] == program]
+        rows = []
+        for op in set().union(*tables):
+            n = statistics.median(t[op][0] for t in tables if op in t)
+            us = statistics.median(t[op][1] for t in tables if op in t)
+            rows.append((n * us, op, n, us))
+        for total, op, n, us in sorted(rows, reverse=True)[:top]:
+            lines.append(f"| {program} | {op} | {n:.1f} | {us:.2f} | {total:.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.per_op", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,6 +230,8 @@ def main(argv=None):
             print(f"warning: {r['program']} repeat {r['repeat'] + 1}: Terra co-executed "
                   f"{t['coexecuted']} timed steps, phase {t['phase']}", file=sys.stderr)
     print(summarize(runs))
+    print()
+    print(summarize_types(runs))
 
 
 if __name__ == "__main__":
