@@ -147,8 +147,9 @@ _GLOBALS = {
 def _source(form):
     """The source of the factory of lanes of ``form``: ``make(runner, STEP, ...)`` returns
     ``follow(args)``, which does, for one step, what the general path does in its common
-    case (see the module's docstring): the checks of each input, then the stand-ins, the
-    log record and the move, or :data:`MISS` before anything was done."""
+    case (see the module's docstring): the checks of each input (:func:`_input_check`), then
+    the stand-ins, the log record and the move (:func:`_outputs`), or :data:`MISS` before
+    anything was done."""
     n, has_list, bare, kinds, n_out, shaped, one, fetch = form
     names = [f"N{i}, K{i}" if k[0] == _NODE else
              f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, SCALARS{i}"
@@ -156,7 +157,7 @@ def _source(form):
              f"ID{i}, FED{i}" for i, k in enumerate(kinds)]
     params = ", ".join(["runner", "STEP", "INFO", "ATTRS", "PLAN", *names,
                         *[f"SRC{k}" for k in range(0 if shaped else n_out)]])
-    args = ", ".join(f"a{i}" for i in range(len(kinds)))
+    flat = "".join(f"a{i}, " for i in range(len(kinds)))
     code = [f"def make({params}):",
             "    tensors, memo, seqs, visits = runner.tensors, runner.checks, runner.seqs, "
             "runner.visits",
@@ -171,87 +172,98 @@ def _source(form):
         code += [f"        flat = flatten(INFO, args[:{n}])",
                  f"        if len(flat) != {len(kinds)}:",
                  "            return MISS",
-                 f"        {args}{',' if len(kinds) == 1 else ''} = flat"]
+                 f"        {flat} = flat"]
     elif kinds:
-        code.append(f"        {args}{',' if len(kinds) == 1 else ''} = args[:{n}]")
+        code.append(f"        {flat} = args[:{n}]")
     code.append("        it = runner.it")
-    logged, fed = [], []
-    for i, (kind, reread, numeric) in enumerate(kinds):
-        a = f"a{i}"
-        if kind == _NODE:
-            code += [f"        if type({a}) is not ET:",
-                     "            return MISS",
-                     f"        e{i} = tensors.get({a}._id)",
-                     f"        if e{i} is None or e{i}.iteration is not it or "
-                     f"e{i}.step.node is not N{i} or e{i}.out != K{i}:",
-                     "            return MISS"]
-            logged.append(f"e{i}")
-            continue
-        logged.append(a)
-        if reread:
-            fed.append(i)
-        if kind == _SAME_TENSOR:
-            code += [f"        if type({a}) is not ET or {a}._id != ID{i} or {a}._id in tensors:",
-                     "            return MISS"]
-            continue
-        # a constant: a tensor of the slot's value (the one validated last, by its id), or a
-        # Python value validated before (the same immutable object or array as last time)
-        compare = (f"v.shape != SHAPE{i} or not v.flags.c_contiguous or "
-                   f"v.data.cast('B') != BYTES{i}") if numeric else \
-            f"v.shape != SHAPE{i} or v.tobytes() != BYTES{i}"
-        code += [f"        if type({a}) is ET:",
-                 f"            if {a}._id in tensors:  # a stand-in where a value is read",
-                 "                return MISS",
-                 f"            if {a}._id != const_ids.get(SID{i}):",
-                 f"                if {a}._datatype_enum() != DT{i}:",
-                 "                    return MISS",
-                 # a Python scalar converted to it, known to give the value: no read-back
-                 f"                src = converted.get({a}._id)",
-                 f"                if src is None or (type(src), src) not in SCALARS{i}:",
-                 f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
-                 f"                    if {compare}:",
-                 "                        return MISS",
-                 "                    if src:  # not 0, whose key -0.0 shares",
-                 f"                        SCALARS{i}.add((type(src), src))",
-                 f"                const_ids[SID{i}] = {a}._id  # this tensor has the value",
-                 f"        elif {a} is not LAST{i}[0]:",
-                 f"            if type({a}) is ndarray and LAST{i}[1] is not None:",
-                 f"                dtype, shape, data = LAST{i}[1]",
-                 f"                ok = {a}.dtype is dtype and {a}.shape == shape and "
-                 f"{a}.tobytes() == data",
-                 "            else:",
-                 "                ok = False",
-                 "            if not ok:",
-                 f"                key = value_key({a})",
-                 f"                if key not in known.get(SID{i}, ()):",
-                 "                    return MISS",
-                 f"                if type({a}) in IMMUTABLE:",
-                 f"                    LAST{i}[0] = {a}",
-                 f"                elif type({a}) is ndarray:",
-                 f"                    LAST{i}[1] = ({a}.dtype, key[1], key[2])"]
+    for i, kind in enumerate(kinds):
+        code += _input_check(i, *kind)
     if shaped:  # output shapes follow the input shapes: looked up, or the general path
-        flat = f"({args}{',' if len(kinds) == 1 else ''})"
-        code += [f"        sources = shaped_sources(runner, STEP, {flat})",
+        code += [f"        sources = shaped_sources(runner, STEP, ({flat}))",
                  "        if sources is None:",
                  "            return MISS"]
     code.append("        # matched: from here on, what the general path does once checks passed")
-    for i in fed:  # for the slots reading them again
-        line = f"it.fed[FED{i}] = a{i}._id"
-        if kinds[i][0] == _CONST:  # a Python value is converted anew: nothing to read again
-            code += [f"        if type(a{i}) is ET:", f"            {line}"]
-        else:
-            code.append(f"        {line}")
-    code.append("        seq = runner.seq")
+    for i, (kind, reread, _) in enumerate(kinds):
+        if reread:  # for the slots reading the input again
+            line = f"it.fed[FED{i}] = a{i}._id"
+            if kind == _CONST:  # a Python value is converted anew: nothing to read again
+                code += [f"        if type(a{i}) is ET:", f"            {line}"]
+            else:
+                code.append(f"        {line}")
+    logged = ", ".join(f"e{i}" if k[0] == _NODE else f"a{i}" for i, k in enumerate(kinds))
+    code += _outputs(n_out, shaped, one, fetch, logged)
+    code += ["", "    return follow", ""]
+    return "\n".join(code)
+
+
+def _input_check(i, kind, reread, numeric):
+    """The lines that check input ``i`` (``a{i}``) of a lane, returning :data:`MISS` where
+    the general path must decide; an input from a node leaves its entry in ``e{i}``."""
+    a = f"a{i}"
+    if kind == _NODE:
+        return [f"        if type({a}) is not ET:",
+                "            return MISS",
+                f"        e{i} = tensors.get({a}._id)",
+                f"        if e{i} is None or e{i}.iteration is not it or "
+                f"e{i}.step.node is not N{i} or e{i}.out != K{i}:",
+                "            return MISS"]
+    if kind == _SAME_TENSOR:
+        return [f"        if type({a}) is not ET or {a}._id != ID{i} or {a}._id in tensors:",
+                "            return MISS"]
+    # a constant: a tensor of the slot's value (the one validated last, by its id), or a
+    # Python value validated before (the same immutable object or array as last time)
+    compare = (f"v.shape != SHAPE{i} or not v.flags.c_contiguous or "
+               f"v.data.cast('B') != BYTES{i}") if numeric else \
+        f"v.shape != SHAPE{i} or v.tobytes() != BYTES{i}"
+    return [f"        if type({a}) is ET:",
+            f"            if {a}._id in tensors:  # a stand-in where a value is read",
+            "                return MISS",
+            f"            if {a}._id != const_ids.get(SID{i}):",
+            f"                if {a}._datatype_enum() != DT{i}:",
+            "                    return MISS",
+            # a Python scalar converted to it, known to give the value: no read-back
+            f"                src = converted.get({a}._id)",
+            f"                if src is None or (type(src), src) not in SCALARS{i}:",
+            f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
+            f"                    if {compare}:",
+            "                        return MISS",
+            "                    if src:  # not 0, whose key -0.0 shares",
+            f"                        SCALARS{i}.add((type(src), src))",
+            f"                const_ids[SID{i}] = {a}._id  # this tensor has the value",
+            f"        elif {a} is not LAST{i}[0]:",
+            f"            if type({a}) is ndarray and LAST{i}[1] is not None:",
+            f"                dtype, shape, data = LAST{i}[1]",
+            f"                ok = {a}.dtype is dtype and {a}.shape == shape and "
+            f"{a}.tobytes() == data",
+            "            else:",
+            "                ok = False",
+            "            if not ok:",
+            f"                key = value_key({a})",
+            f"                if key not in known.get(SID{i}, ()):",
+            "                    return MISS",
+            f"                if type({a}) in IMMUTABLE:",
+            f"                    LAST{i}[0] = {a}",
+            f"                elif type({a}) is ndarray:",
+            f"                    LAST{i}[1] = ({a}.dtype, key[1], key[2])"]
+
+
+def _outputs(n_out, shaped, one, fetch, logged):
+    """The lines after a lane's checks: the stand-ins and their entries (one output without a
+    loop), the log record of the op with its ``logged`` inputs, the move, the results."""
+    code = ["        seq = runner.seq"]
     # a step's position in its fetch channels; 0 where it has none (PythonRunner._visit)
     visit = "visit" if fetch else "0"
     if fetch:
         code.append("        visit = visits.get(STEP, 0)")
-    if not shaped and n_out == 0:
-        outs = "outs"
-        code.append("        outs, entries = [], []")
-    elif shaped or n_out > 1:
-        outs = "outs"
-        sources = "sources" if shaped else f"({', '.join(f'SRC{k}' for k in range(n_out))},)"
+    if n_out == 1 and not shaped:
+        code += ["        dummy, spare = SRC0",
+                 "        s = spare.pop() if spare else dummy._copy_to_device(device)",
+                 f"        e = Entry(runner, it, STEP, 0, static[0], {visit}, seq)",
+                 "        tensors[s._id] = e",
+                 "        it.entries.append((e, s))"]
+        outs, entries = "[s]", "[e]"
+    else:
+        sources = "sources" if shaped else f"({''.join(f'SRC{k}, ' for k in range(n_out))})"
         code += ["        outs, entries = [], []",
                  f"        for k, (dummy, spare) in enumerate({sources}):",
                  "            s = spare.pop() if spare else dummy._copy_to_device(device)",
@@ -260,24 +272,15 @@ def _source(form):
                  "            it.entries.append((e, s))",
                  "            outs.append(s)",
                  "            entries.append(e)"]
-    else:
-        outs = None
-        code += ["        dummy, spare = SRC0",
-                 "        s = spare.pop() if spare else dummy._copy_to_device(device)",
-                 f"        e = Entry(runner, it, STEP, 0, static[0], {visit}, seq)",
-                 "        tensors[s._id] = e",
-                 "        it.entries.append((e, s))"]
-    inputs, entries = ", ".join(logged), "[e]" if outs is None else "entries"
-    code += [f"        it.log.append(LoggedOp(STEP, [{inputs}], {entries}, tape_stopped()))",
+        outs, entries = "outs", "entries"
+    code += [f"        it.log.append(LoggedOp(STEP, [{logged}], {entries}, tape_stopped()))",
              "        runner.cur = STEP  # and passed, as PythonRunner._move passes it",
              "        seqs[STEP] = seq",
              "        runner.seq = seq + 1"]
     if fetch:
         code.append("        runner._visit(STEP)")
-    if outs is None:
-        code.append("        return s" if one else "        return pack_fast(PLAN, [s])")
+    if one:
+        code.append("        return s" if outs == "[s]" else "        return outs[0]")
     else:
-        code.append(f"        return {outs}[0]" if one else
-                    f"        return pack_fast(PLAN, {outs})")
-    code += ["", "    return follow", ""]
-    return "\n".join(code)
+        code.append(f"        return pack_fast(PLAN, {outs})")
+    return code
