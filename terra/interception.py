@@ -1,14 +1,14 @@
-"""The two Python-visible doors every eager op passes through (DESIGN.md §3).
+"""The two Python-visible doors every eager op passes through (docs/architecture.md §3.1).
 
 ``pywrap_tfe.TFE_Py_FastPathExecute`` (generated op wrappers) and ``execute.execute`` (their
 slow-path fallbacks and function calls) are module attributes looked up at call time, so
 wrapping them sees every op except C++-internal constant conversion. ``record.record_operation``
-is wrapped the same way, to hear of custom gradients, and ``constant_op.convert_to_eager_tensor``
-to note which Python scalar each new constant tensor holds (:data:`converted`: a lane then
-knows a fresh ``tf.add(x, 1.0)`` constant by the ``1.0``, without reading the tensor back).
-While a handler is set,
-ops issued by the owning thread go to it; everything else (other threads, Terra's own queue
-ops, which call ``quick_execute`` directly) passes straight through. While no handler is set
+is wrapped the same way, to hear of custom gradients, and
+``constant_op.convert_to_eager_tensor`` to note which Python scalar each new constant tensor
+holds (:data:`converted`: a lane then knows a fresh ``tf.add(x, 1.0)`` constant by the
+``1.0``, without reading the tensor back). While a handler is set, ops issued by the owning
+thread go to it; everything else (other threads, Terra's own queue ops, which call
+``quick_execute`` directly) passes straight through. While no handler is set
 (Terra waiting, or eager between graphs) TF's own functions are put back, so a program Terra
 keeps eager runs at eager's speed, not one Python call per op slower.
 

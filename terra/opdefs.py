@@ -46,7 +46,7 @@ CREATION_OPS = frozenset({"VarHandleOp", "AnonymousSeedGenerator", "HashTableV2"
                           "MutableHashTableV2", "MutableDenseHashTableV2"})
 
 # Stateful random ops get a fresh seed2 per call under a global seed; it is not part of what
-# an op *is* (DESIGN.md §3), and these ops run in Python anyway.
+# an op *is* (docs/architecture.md §3.5), and these ops run in Python anyway.
 _IGNORED_KEY_ATTRS = frozenset({"seed2"})
 
 

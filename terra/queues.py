@@ -1,7 +1,7 @@
 """Input Feeding / Output Fetching channels: one unbounded TF FIFO queue per point.
 
 Unbounded because a bounded queue deadlocks when the graph produces a value Python never
-reads (DESIGN.md §6). Every queue gets its own ``shared_name``: eagerly created queues with
+reads (docs/architecture.md §3.6). Every queue gets its own ``shared_name``: eagerly created queues with
 equal attributes otherwise share one resource (the kernel is cached and creates its queue
 once), and two fetch points of the same shape would swap values.
 
