@@ -1,9 +1,9 @@
 """Input Feeding / Output Fetching channels: one unbounded TF FIFO queue per point.
 
 Unbounded because a bounded queue deadlocks when the graph produces a value Python never
-reads (docs/architecture.md §3.6). Every queue gets its own ``shared_name``: eagerly created queues with
-equal attributes otherwise share one resource (the kernel is cached and creates its queue
-once), and two fetch points of the same shape would swap values.
+reads (docs/architecture.md §3.6). Every queue gets its own ``shared_name``: eagerly created
+queues with equal attributes otherwise share one resource (the kernel is cached and creates
+its queue once), and two fetch points of the same shape would swap values.
 
 Terra's own queue ops go straight to ``quick_execute`` / ``execute_with_cancellation`` so
 the interception doors never see them.
