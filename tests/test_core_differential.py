@@ -550,7 +550,7 @@ def test_batch_size_changing_between_steps():
 def same_area_images_program(tape_cls, steps):
     """Images whose sizes cycle (4, 4), (4, 6), (6, 4), (5, 5), as a detector's: the two
     traces (the second and third steps) have one area, and a per-pixel weight computed in
-    numpy each step (as anchors are) kept its length in both. A raw ``tf.Module``."""
+    numpy each step (as anchors are) kept its length in both. Raw variables and ops."""
     rng = np.random.default_rng(3)
     kernel = tf.Variable(rng.normal(size=(3, 3, 3, 4)).astype("float32"))
     sizes = [(4, 4), (4, 6), (6, 4), (5, 5)]

@@ -275,14 +275,14 @@ def test_fed_inputs_whose_shape_held_still_are_relaxed_where_others_varied():
     """Images of two sizes with one area: the value computed per iteration over their
     feature map (anchors) kept its length in both traces by chance. Where an input's shape
     varied, the others' dimensions are relaxed, but not the sizes the varying ones keep (the
-    batch, the channels), nor 0 and 1."""
+    batch, the channels), nor 0 and 1, nor a small integer vector's length (a shape's)."""
     graph = TraceGraph()
     for h, w in ((4, 6), (6, 4)):
         graph.merge([
             op("Relu", ext(np.ones((1, h, w, 3)))),  # the image: varies
             op("Mul", ext(np.ones((h * w * 5,))), ext(np.ones((h * w * 5, 3))),
                shape=(h * w * 5,)),  # per-iteration values of one length
-            op("Neg", ext(np.ones((7, 1)) * h)),  # neither the image's sizes nor varying
+            op("Neg", ext(np.ones((7, 1)) * h)),  # 7: no size the image keeps; 1: kept
             op("Reshape", OpRef(1, 0), ExtRef(tf.constant([h * w, 5 + h]))),  # a shape
         ])
     relax_feeds(graph.nodes)
