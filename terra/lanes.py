@@ -125,22 +125,11 @@ def _sources(standins, specs):
     return None if None in found else found
 
 
-def _shaped_sources(runner, step, flat):
-    """The dummies and spares of ``step``'s outputs for the input shapes of ``flat`` (a step
-    whose output shapes follow them): where a trace had these shapes or the shape function
-    was asked about them before (``StandIns.specs``) and the dummies exist; else None."""
-    key = tuple(a._shape_tuple() if type(a) is ops.EagerTensor else np.shape(a) for a in flat)
-    specs = step.node.sigs.get(key)
-    if specs is None:
-        specs = runner.standins.inferred.get((step, key))
-    return None if specs is None else _sources(runner.standins, specs)
-
-
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "LoggedOp": LoggedOp,
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "tape_stopped": pywrap_tfe.TFE_Py_TapeSetIsStopped,
-    "shaped_sources": _shaped_sources, "converted": interception.converted,
+    "np_shape": np.shape, "converted": interception.converted,
 }
 
 
@@ -157,11 +146,12 @@ def _source(form):
              f"ID{i}, FED{i}" for i, k in enumerate(kinds)]
     params = ", ".join(["runner", "STEP", "INFO", "ATTRS", "PLAN", *names,
                         *[f"SRC{k}" for k in range(0 if shaped else n_out)]])
-    flat = "".join(f"a{i}, " for i in range(len(kinds)))
+    flat = ", ".join(f"a{i}" for i in range(len(kinds))) + ("," if len(kinds) == 1 else "")
     code = [f"def make({params}):",
             "    tensors, memo, seqs, visits = runner.tensors, runner.checks, runner.seqs, "
             "runner.visits",
             "    const_ids, known, device = memo.const_ids, memo.known, runner.standins.device",
+            "    inferred, sources_of = runner.standins.inferred, runner.standins.sources",
             "    static = STEP.static",
             "",
             "    def follow(args):",
@@ -179,8 +169,17 @@ def _source(form):
     for i, kind in enumerate(kinds):
         code += _input_check(i, *kind)
     if shaped:  # output shapes follow the input shapes: looked up, or the general path
-        code += [f"        sources = shaped_sources(runner, STEP, ({flat}))",
-                 "        if sources is None:",
+        shapes = "".join(f"a{i}._shape_tuple(), " if k[0] != _CONST else
+                         f"a{i}._shape_tuple() if type(a{i}) is ET else np_shape(a{i}), "
+                         for i, k in enumerate(kinds))
+        code += [f"        shapes = ({shapes.rstrip()})",
+                 "        specs = STEP.node.sigs.get(shapes)  # a trace had these shapes",
+                 "        if specs is None:",
+                 "            specs = inferred.get((STEP, shapes))  # the shape function was asked",
+                 "            if specs is None:",
+                 "                return MISS",
+                 "        sources = [sources_of.get(spec) for spec in specs]",
+                 "        if None in sources:",
                  "            return MISS"]
     code.append("        # matched: from here on, what the general path does once checks passed")
     for i, (kind, reread, _) in enumerate(kinds):
