@@ -21,6 +21,7 @@ block it down-samples), so they are fed too (:meth:`Slot.vary`).
 """
 
 import enum
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,8 +63,7 @@ def relax_feeds(nodes):
     and the length of a small integer vector (a shape, a size: its length is a rank).
     Relaxed as an observation would (:func:`relax`): validation and the graph follow it."""
     feeds = [s for n in nodes for s in n.inputs if s.kind is SlotKind.FEED and
-             not (s.dtype in _INTEGERS and s.shape and None not in s.shape and
-                  int(np.prod(s.shape)) <= SMALL_CONST)]
+             not small_int_feed(s)]
     varied = [s.shape or () for s in feeds if s.shape is None or None in s.shape]
     if not varied:
         return
@@ -71,6 +71,12 @@ def relax_feeds(nodes):
     for slot in feeds:
         if slot.shape and None not in slot.shape:
             slot.shape = tuple(d if d in kept else None for d in slot.shape)
+
+
+def small_int_feed(slot):
+    """Whether ``slot`` is fed a small integer tensor from Python (a size, a shape)."""
+    return slot.kind is SlotKind.FEED and slot.dtype in _INTEGERS and slot.shape is not None \
+        and None not in slot.shape and math.prod(slot.shape) <= SMALL_CONST
 
 
 class NodeKind(enum.Enum):

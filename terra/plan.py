@@ -9,7 +9,6 @@ with its ConcreteFunction. The passes here build the plan's skeleton from a Trac
 """
 
 import itertools
-import math
 
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context, def_function
@@ -18,11 +17,10 @@ from tensorflow.python.ops import gen_resource_variable_ops
 
 from terra import opdefs, queues, regions
 from terra.case_assignment import assign_cases
-from terra.nodes import SMALL_CONST, NodeKind, SlotKind, TraceNode
+from terra.nodes import NodeKind, SlotKind, TraceNode, small_int_feed
 from terra.queues import Channel
 
 INT32 = dtypes.int32.as_datatype_enum
-_INT_DTYPES = frozenset(d.as_datatype_enum for d in (dtypes.int32, dtypes.int64))
 
 
 class Step:
@@ -331,18 +329,12 @@ def settled(slot):
     return slot
 
 
-def _small_int_feed(slot):
-    """Whether ``slot`` is fed a small integer tensor from Python (a size, a shape)."""
-    return slot.kind is SlotKind.FEED and slot.dtype in _INT_DTYPES and slot.shape is not None and \
-        None not in slot.shape and math.prod(slot.shape) <= SMALL_CONST
-
-
 def _value_shaped(node):
     """Whether ``node``'s output shapes follow the values of small integers fed from Python
     that took several values: its shape function, given only their shapes, leaves an output
     dimension unknown (a resize's size does; the labels of a loss do not)."""
     varying = [i for i, slot in enumerate(node.inputs)
-               if _small_int_feed(slot) and slot.values_vary]
+               if small_int_feed(slot) and slot.values_vary]
     if node.kind is not NodeKind.OP or not varying or not node.sigs:
         return False
     shapes = next(iter(node.sigs))

@@ -83,9 +83,8 @@ class Entry:
 
 class StandIns:
     """The stand-ins of one runner's outputs: the dummies they copy and the spares (by spec),
-    and the output
-    specs inferred for input shapes no trace had (the runner's own: co-execution only reads
-    the plan)."""
+    and the output specs inferred for input shapes no trace had (the runner's own:
+    co-execution only reads the plan)."""
 
     def __init__(self, runner, tensors):
         self.runner = runner  # whose entries resolve the stand-ins' values
@@ -151,14 +150,13 @@ class StandIns:
             # has_value/get_value, which Keras 3's fit calls every step), and those are matched
             with interception.paused():
                 dummy = gen_optional_ops.optional_none()
-            source = self.sources[spec] = (dummy, [])
-            return source
-        if dt in (dtypes.resource, dtypes.variant):
+        elif dt in (dtypes.resource, dtypes.variant):
             raise Divergence(f"cannot stand in for a {dt.name} tensor", "unsupported")
-        dummy = _untouched(shape, dt)
-        if dummy is None:
-            fill = b"" if dt == dtypes.string else 0
-            dummy = constant_op.constant(np.full(shape, fill, dtype=dt.as_numpy_dtype))
+        else:
+            dummy = _untouched(shape, dt)
+            if dummy is None:
+                fill = b"" if dt == dtypes.string else 0
+                dummy = constant_op.constant(np.full(shape, fill, dtype=dt.as_numpy_dtype))
         source = self.sources[spec] = (dummy, [])
         return source
 
