@@ -441,7 +441,11 @@ def test_a_first_graph_predicted_to_save_nothing_waits_for_the_budget(monkeypatc
         if tape_cls is terra.TerraGradientTape:
             terra.configure(budget=0.05)
             monkeypatch.setattr(budget.Ledger, "saving", lambda self: 0.0)
-            monkeypatch.setattr(budget.Ledger, "build_cost", lambda self, *size: 0.01)
+            # half an eager iteration, whatever the machine's speed: the budget (5% of one a
+            # run's iteration) affords it after 10 iterations and the traces' overhead, never
+            # in 8 (a fixed 10 ms was afforded in 8 when the machine was slow: ~95 ms steps)
+            monkeypatch.setattr(budget.Ledger, "build_cost",
+                                lambda self, *size: 0.5 * self.reference())
         try:
             return mlp_loop(tape_cls, steps)
         finally:
@@ -452,10 +456,10 @@ def test_a_first_graph_predicted_to_save_nothing_waits_for_the_budget(monkeypatc
     assert s.graph_generations == 0 and s.phase == "waiting", outcome.report()
     assert s.traces == 1, outcome.report()  # the first trace told: no second one
     assert "waiting: co-execution would save ~0.0 ms of a" in outcome.explain, outcome.report()
-    # a long enough run affords the 10 ms the graph is taken to cost: it is built then (the
-    # first trace was not merged: two more traces, and one spare). The budget grows by 5% of
-    # an eager iteration (~6 ms here) per iteration, and the traces' overhead (10-20 ms,
-    # more on a loaded machine) is spent first: 60 iterations were not always enough
+    # a long enough run affords the half iteration the graph is taken to cost: it is built
+    # then (the first trace was not merged: two more traces, and one spare). The budget grows
+    # by 5% of an eager iteration per iteration, and the traces' overhead (10-20 ms, more on a
+    # loaded machine) is spent first: 60 iterations were not always enough
     outcome = assert_same_as_eager(program, 200, min_coexecuted=1, max_traces=4)
     assert outcome.stats.graph_generations == 1, outcome.report()
 
