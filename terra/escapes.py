@@ -26,13 +26,13 @@ _no_tapes = pywrap_tfe.TFE_Py_TapeSetIsEmpty
 _weakrefs = weakref.getweakrefcount
 
 
-def finish(it, tensors, unread, held=None, sources=None):
+def finish(it, tensors, unread, held=None, pool=False):
     """Sweep the ended iteration ``it`` (unless ``held``, what a sweep already returned):
     give the entries Python still holds their values (``unread``: the values its fetch
     channels held that nobody read, by step, visit and output) and return those the graph
-    gave none. If none, the iteration is released."""
+    gave none. If none, the iteration is released. ``pool``: as for :func:`sweep`."""
     uncovered = []
-    for e in sweep(it, tensors, sources) if held is None else held:  # Python still holds it
+    for e in sweep(it, tensors, pool) if held is None else held:  # Python still holds it
         if e.value is None:
             e.value = unread.get((e.step, e.visit, e.out))
             if e.value is None:
@@ -42,27 +42,31 @@ def finish(it, tensors, unread, held=None, sources=None):
     return uncovered
 
 
-def sweep(it, tensors, sources=None):
+def sweep(it, tensors, pool=False):
     """Forget the entries of the iteration ``it`` whose stand-ins Python has dropped, from
-    the hook table ``tensors``, and put those stand-ins among their spec's spares
-    (``sources``: ``StandIns.sources``) where they can be handed out again. Return the
-    other entries; each is forgotten when Python drops its stand-in."""
+    the hook table ``tensors``, and (where ``pool``) put those stand-ins back among their
+    spec's spares (``StandIns.sources``, whose lists ``it.entries`` names), where they can
+    be handed out again. Return the other entries; each is forgotten when Python drops its
+    stand-in."""
     held, it.entries = it.entries, []
     # the custom gradients kept for a replay hold stand-ins in their closures: those
     # references are Terra's, not Python's
-    ours = _closure_refs(it.customs) if it.customs else {}
-    if sources is not None and not _no_tapes():  # a tape may hold the stand-ins' ids
-        sources = None
+    ours = _closure_refs(it.customs) if it.customs else None
+    pool = pool and _no_tapes()  # a tape may hold the stand-ins' ids
     while True:
         # A dropped stand-in can hold others (Keras 3 sets ``_keras_mask`` on tensors):
         # once it is gone they may be dropped too, so sweep until nothing more goes.
-        pending, held = held, [pair for pair in held if _held(pair, tensors, ours, sources)]
+        pending, held = held, []
+        for i in range(0, len(pending), 3):
+            if _held(pending, i, tensors, ours, pool):
+                held += pending[i:i + 3]
         if len(held) == len(pending):
             break
-        del pending
-    for _, t in held:
+    del pending
+    for i in range(1, len(held), 3):
+        t = held[i]
         weakref.finalize(t, tensors.pop, t._id, None)
-    return [e for e, _ in held]
+    return held[::3]
 
 
 def unfetchable(held):
@@ -72,20 +76,19 @@ def unfetchable(held):
     return any(e.value is None and e.step.fetch[e.out] is None for e in held)
 
 
-def _held(pair, tensors, ours, sources):
-    """Whether Python still holds the stand-in of an (entry, stand-in) pair (``ours``: the
-    references Terra holds elsewhere, by id); if not, forget its entry, and keep the
-    stand-in as a spare if it is one no one can tell from a fresh copy."""
-    e, t = pair
-    if sys.getrefcount(t) <= _BASE_REFS + (e.value is t) + ours.get(id(t), 0):
-        tensors.pop(t._id, None)
-        if sources is not None and e.value is not t and id(t) not in ours and \
-                not t.__dict__ and not _weakrefs(t):
-            source = sources.get((t._shape_tuple(), t._datatype_enum()))
-            if source is not None:
-                source[1].append(t)
-        return False
-    return True
+def _held(entries, i, tensors, ours, pool):
+    """Whether Python still holds the stand-in of the entry at ``entries[i]`` (the entry,
+    its stand-in and its spares, flat; ``ours``: the references Terra holds elsewhere, by
+    id); if not, forget its entry, and keep the stand-in as a spare (where ``pool``) if it
+    is one no one can tell from a fresh copy."""
+    e, t, spare = entries[i], entries[i + 1], entries[i + 2]
+    if sys.getrefcount(t) > _BASE_REFS + (e.value is t) + (ours.get(id(t), 0) if ours else 0):
+        return True
+    tensors.pop(t._id, None)
+    if pool and spare is not None and e.value is not t and not (ours and id(t) in ours) and \
+            not t.__dict__ and not _weakrefs(t):
+        spare.append(t)
+    return False
 
 
 def _closure_refs(customs):
@@ -129,6 +132,6 @@ def _has_contents(cell):
     return True
 
 
-# A tensor referenced only by the iteration's entry list: the pair, ``_held``'s local and
+# A tensor referenced only by the iteration's entry list: the list, ``_held``'s local and
 # getrefcount's argument.
 _BASE_REFS = 3

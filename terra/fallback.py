@@ -9,6 +9,7 @@ handed to Python gets its real value.
 """
 
 import dataclasses
+import operator
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, execute, record
@@ -23,15 +24,30 @@ _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
 
 # -- the log the replay runs: what co-execution matched, step by step (``Iteration.log``).
 # Inputs are the validated ones (a stand-in by its PythonRunner entry); outputs are entries.
-@dataclasses.dataclass(slots=True)
-class LoggedOp:
+class LoggedOp(tuple):
     """A graph op Python issued; ``stopped``: gradient recording was paused then
-    (``tf.stop_gradient``), so the replay does not record it on the tapes either."""
+    (``tf.stop_gradient``), so the replay does not record it on the tapes either.
 
-    step: object
-    inputs: list
-    outputs: list
-    stopped: bool
+    One flat tuple, ``(step, stopped, len(outputs), *outputs, *inputs)``: a co-executed
+    iteration logs one per op, and a lane (``terra.lanes``) writes it as a tuple display,
+    one object that outlives the op where a record and two lists were three (every object
+    alive at an iteration's end is work for the garbage collector and the release)."""
+
+    __slots__ = ()
+
+    def __new__(cls, step, inputs, outputs, stopped):
+        return tuple.__new__(cls, (step, stopped, len(outputs), *outputs, *inputs))
+
+    step = property(operator.itemgetter(0))
+    stopped = property(operator.itemgetter(1))
+
+    @property
+    def outputs(self):
+        return self[3:3 + self[2]]
+
+    @property
+    def inputs(self):
+        return self[3 + self[2]:]
 
 
 @dataclasses.dataclass(slots=True)

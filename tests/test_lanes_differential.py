@@ -42,15 +42,18 @@ def followed(monkeypatch):
 
 
 def chain_program(change):
-    """A chain of small ops with a variable, trained; from ``CHANGE_AT`` on, ``change(step)``
-    says which input differs."""
+    """A chain of small ops with a variable, trained on two batches in turn (fed); from
+    ``CHANGE_AT`` on, ``change`` says which input differs."""
 
     def program(tape_cls, steps):
         w = tf.Variable(tf.fill((4, 4), 0.5))
         x = tf.constant(np.arange(16, dtype=np.float32).reshape(4, 4) / 16)
+        batches = [x, x * 0.5]
+        row = x[:1]  # a batch of another shape: broadcast against w, the rest is alike
         losses, held = [], None
         for step in range(steps):
             late = step >= CHANGE_AT
+            x = row if late and change == "fed shape" else batches[step % 2]
             scalar = 2.0 if late and change == "scalar" else 1.0
             perm = np.array([0, 1] if late and change == "array" else [1, 0])
             cut = 2 if late and change == "const" else 1
@@ -71,12 +74,15 @@ def chain_program(change):
     return program
 
 
-@pytest.mark.parametrize("change", ["none", "scalar", "array", "list", "const", "producer"])
+@pytest.mark.parametrize("change", ["none", "scalar", "array", "list", "const", "producer",
+                                    "fed shape"])
 def test_a_changed_input_leaves_the_lane_for_the_general_path(change, followed):
     changed = change != "none"  # a fallback, then traces of the new path
     assert_same_as_eager(chain_program(change), STEPS, expect_fallbacks=(changed, None),
                          max_traces=2 + 2 * changed)
     assert sum(followed.values()) > 0
+    if not changed:
+        assert followed[("AddV2", False)] > 0, followed  # the batch, fed by the lane
 
 
 def forms_program(tape_cls, steps):
@@ -110,4 +116,5 @@ def test_lanes_of_every_form_keep_eagers_numbers(followed):
     assert followed[("Mean", False)] > 0, followed  # the captured tensor
     assert followed[("Mul", True)] > 0, followed  # the step's constant, read again later
     assert followed[("AssignAddVariableOp", False)] > 0, followed  # no outputs
+    assert followed[("MatMul", True)] > 0, followed  # batches of two sizes, fed
 
