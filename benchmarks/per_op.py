@@ -6,7 +6,7 @@ left) in fresh worker processes, paired and interleaved as the main benchmark do
 own cost per op is ``(Terra - floor) / N``, with N the ops the PythonRunner is handed per
 step, from the loop thread's CPU time and from the wall time (medians over repeats). A last
 block of Terra's steps also times the ops inside Terra's door directly (the time in
-``CoexecDoor.fast``/``slow`` less the waits for the graph, ``terra.stats().python_stall``;
+``CoexecDoor.fast_entry``/``slow`` less the waits for the graph, ``terra.stats().python_stall``;
 in total and by op type):
 validation, stand-ins, feeds and path following, without cProfile's distortion; the timing
 probe's own time per call, measured around a door that does nothing, is taken off.
@@ -18,18 +18,28 @@ floor runs), so there the door's own time is the figure to read.
 
     python -m benchmarks.per_op                          # chain and yolov3, 3 repeats
     python -m benchmarks.per_op --programs chain --repeats 5
+    python -m benchmarks.per_op --trees /tmp/before,.    # two checkouts, runs alternated
+
+A 2-core cloud machine's speed drifts by half within minutes (the same tree's door took 3.3
+and 4.5 us an op an hour apart), so two trees are compared with ``--trees``: Terra's runs of
+each checkout (its own ``terra`` and ``benchmarks``) alternated, ABBA, and the medians side by
+side with their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
+import pathlib
 import statistics
+import subprocess
 import sys
 import time
 
 from benchmarks.harness import run_worker
-from benchmarks.worker import keras_env, serve
+from benchmarks.worker import RESULT_TAG, keras_env, serve
 
 CHAIN_OPS = 500  # the chain step's ops (ReadVariableOp, AddV2, Mul, StridedSlice, ...)
 # program -> (warm-up, timed steps); yolov3 warms up over its eight batches three times, so
@@ -111,20 +121,20 @@ def _door_timed(prog, step_fn, steps) -> dict:
     per step and its own time per op (less its waits for the graph). Also Terra's counters."""
     import terra
     from benchmarks.programs import run
-    from terra import runtime
-    from terra.doors import CoexecDoor
+    from terra import interception, runtime
 
     counts = {"ops": 0, "depth": 0, "time": 0.0}
     by_type = collections.defaultdict(lambda: [0, 0.0])  # op type -> [calls, seconds]
+    rt = runtime.current()
 
-    def timed(method, type_at):
-        def door(self, *args):
+    def timed(call, type_at):
+        def door(*args):
             counts["ops"] += 1
             counts["depth"] += 1
-            waiting = self.runtime.runner.waiting
+            waiting = rt.runner.waiting
             stalled, began = waiting.stall_time, time.perf_counter()
             try:
-                return method(self, *args)
+                return call(*args)
             finally:
                 counts["depth"] -= 1
                 if not counts["depth"]:  # a variable read inside an op: counted once
@@ -136,17 +146,21 @@ def _door_timed(prog, step_fn, steps) -> dict:
         return door
 
     before = terra.stats()
-    CoexecDoor.fast, CoexecDoor.slow = timed(CoexecDoor.fast, 1), timed(CoexecDoor.slow, 0)
+    # TF's fast path while the door is the handler (its lanes and general path), and its
+    # slow door; routed anew so that the timed fast path is the one in TF's way
+    door = rt.coexec_door
+    door.fast_entry, door.slow = timed(door.fast_entry, 1), timed(door.slow, 0)
+    interception.set_handler(None)
+    interception.set_handler(door)
     run(prog, steps, step_fn)
     after = terra.stats()
     ops, spent = counts["ops"], counts["time"]
     # the probe's own share of what it timed: the same wrapper around a door that does nothing
     types = {op: (n / steps, t / n * 1e6) for op, (n, t) in by_type.items()}
-    empty = timed(lambda self, *args: None, 1)
-    door = CoexecDoor(runtime.current())
+    empty = timed(lambda *args: None, 1)
     counts.update(ops=0, time=0.0)
     for _ in range(PROBE_CALLS):
-        empty(door, None, "probe", None, ())
+        empty(None, "probe", None)
     probe = counts["time"] / PROBE_CALLS
     return dict(ops=ops / steps, coexecuted=after.coexecuted - before.coexecuted,
                 fallbacks=after.fallbacks - before.fallbacks, phase=after.phase,
@@ -215,6 +229,39 @@ def summarize_types(runs, top=8) -> str:
     return "\n".join(lines)
 
 
+def compare_trees(trees, program, repeats, timeout, log=print) -> str:
+    """Terra's runs of ``program`` in each checkout of ``trees``, alternated (the order
+    reversed every other round), as a table of medians: door us/op, ms/step, and each tree's
+    step over the first's."""
+    warmup, steps = DEFAULTS.get(program, (8, 12))
+    spec = json.dumps(dict(program=program, mode="terra", warmup=warmup, steps=steps))
+    runs = {tree: [] for tree in trees}
+    for r in range(repeats):
+        for tree in trees if r % 2 == 0 else trees[::-1]:
+            root = pathlib.Path(tree).resolve()
+            env = dict(os.environ, **keras_env(3), PYTHONPATH=str(root), TERRA_BUDGET="inf",
+                       TF_CPP_MIN_LOG_LEVEL="2")
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.per_op", spec], cwd=root,
+                                  env=env, capture_output=True, text=True, timeout=timeout)
+            found = [line[len(RESULT_TAG):] for line in proc.stdout.splitlines()
+                     if line.startswith(RESULT_TAG)]
+            if not found:
+                raise SystemExit(f"{tree}: worker failed\n{proc.stderr[-2000:]}")
+            result = json.loads(found[0])
+            runs[tree].append(result)
+            log(f"  {tree} round {r + 1}: {result['ms']:.2f} ms/step, door "
+                f"{result['door_us']:.2f} us/op", file=sys.stderr)
+    first = statistics.median(t["ms"] for t in runs[trees[0]])
+    lines = ["| tree | door us/op | ms/step | CPU ms/step | step / first tree's |",
+             "|---" * 5 + "|"]
+    for tree, results in runs.items():
+        ms = statistics.median(t["ms"] for t in results)
+        lines.append(f"| {tree} | {statistics.median(t['door_us'] for t in results):.2f} | "
+                     f"{ms:.2f} | {statistics.median(t['cpu_ms'] for t in results):.2f} | "
+                     f"{ms / first:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.per_op", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -222,7 +269,13 @@ def main(argv=None):
                    "chain,yolov3): chain, or programs of benchmarks.programs")
     p.add_argument("--repeats", type=int, default=3, help="paired repeats (default 3)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per worker run")
+    p.add_argument("--trees", help="comma-separated checkouts: Terra's runs of the first "
+                   "program in each, alternated (--repeats rounds)")
     args = p.parse_args(argv)
+    if args.trees:
+        print(compare_trees(args.trees.split(","), args.programs.split(",")[0], args.repeats,
+                            args.timeout))
+        return
     runs = measure(args.programs.split(","), args.repeats, args.timeout)
     for r in runs:
         t = r["terra"]

@@ -2,12 +2,14 @@
 
 ``TracingDoor`` runs every op for real: in every phase but co-execution, and between
 iterations after a fully matched path. ``CoexecDoor`` answers an op along the PythonRunner's
-lane where one is (``terra.lanes``), else hands it to the PythonRunner's general path and
+lane where one is (``terra.lanes``; its ``fast_entry`` is TF's fast path itself while it is
+the handler, so a lane costs one call), else hands it to the PythonRunner's general path and
 any exception to ``Runtime.handle``, then runs the op through ``TracingDoor`` unless the
 replay already ran it. Both act on the runtime they are given (its recorder and runner, its
 ``value`` and ``handle``), and read the hook table (``terra.hooks``), which they never fill.
 """
 
+import threading
 from time import perf_counter as _clock
 
 from tensorflow.python.eager.core import _FallbackException
@@ -116,23 +118,48 @@ class CoexecDoor:
 
     def __init__(self, runtime):
         self.runtime = runtime
+        self.fast_entry = self._entry()
 
-    def fast(self, ctx, op_type, name, args):
-        rt = self.runtime
-        runner = rt.runner
-        at = runner.cur  # where the op found the runner: was its step matched?
-        lane = runner.lanes.get(at)
-        try:
-            if lane and lane.op_type == op_type:  # the common case, without a call more per op
-                result = lane.follow(args)  # a MISS did nothing
+    def _entry(self):
+        """``pywrap_tfe.TFE_Py_FastPathExecute`` while this door is the handler: the lane at
+        the runner's step answers an op of the loop's thread (the only one that sets this
+        door), anything else goes on to :meth:`fast`."""
+        rt, fast, original, get_ident = self.runtime, self.fast, interception.ORIGINAL_FAST, \
+            threading.get_ident
+
+        def fast_entry(ctx, op_type, name, *args):
+            if get_ident() != rt.owner:
+                return original(ctx, op_type, name, *args)
+            runner = rt.runner
+            at = runner.cur
+            lane = runner.lanes.get(at)
+            if lane and lane.op_type == op_type:  # the common case, without a call more
+                try:
+                    result = lane.follow(args)  # a MISS did nothing
+                except Exception as why:  # noqa: BLE001 - Terra's own: the general path's
+                    return self._failed(why, at, ctx, op_type, name, args)
                 if result is not _MISS:
                     return result
+            return fast(ctx, op_type, name, args)
+        return fast_entry
+
+    def fast(self, ctx, op_type, name, args):
+        """An op of the loop's thread no lane answered: the PythonRunner's general path."""
+        runner = self.runtime.runner
+        at = runner.cur  # where the op found the runner: was its step matched?
+        try:
             return runner.fast(ctx, op_type, name, args)
         except _FallbackException:  # the op wrapper takes its slow path, through the doors
             raise
         except Exception as why:  # noqa: BLE001 - a divergence, a graph error, Terra's own
-            if rt.handle(why, at_op=at):
-                return why.result
+            return self._failed(why, at, ctx, op_type, name, args)
+
+    def _failed(self, why, at, ctx, op_type, name, args):
+        """The runtime handles ``why`` (raised for the op found at ``at``): its result where
+        that gives one, else the op run eagerly."""
+        rt = self.runtime
+        if rt.handle(why, at_op=at):
+            return why.result
         fallback_lib.watch_read(rt.open_tapes, op_type, args[0] if args else None)
         return rt.tracing_door.fast(ctx, op_type, name, args)
 

@@ -2,15 +2,18 @@
 
 ``pywrap_tfe.TFE_Py_FastPathExecute`` (generated op wrappers) and ``execute.execute`` (their
 slow-path fallbacks and function calls) are module attributes looked up at call time, so
-wrapping them sees every op except C++-internal constant conversion. ``record.record_operation``
-is wrapped the same way, to hear of custom gradients, and
+wrapping them sees every op except C++-internal constant conversion. A handler may bring its
+own function for the first (``handler.fast_entry``, with its signature, passing other
+threads' ops): ``CoexecDoor``'s answers an op on a lane without a call more per op.
+``record.record_operation`` is wrapped the same way, to hear of custom gradients, and
 ``constant_op.convert_to_eager_tensor`` to note which Python scalar each new constant tensor
 holds (:data:`converted`: a lane then knows a fresh ``tf.add(x, 1.0)`` constant by the
 ``1.0``, without reading the tensor back). While a handler is set, ops issued by the owning
 thread go to it; everything else (other threads, Terra's own queue ops, which call
 ``quick_execute`` directly) passes straight through. While no handler is set
 (Terra waiting, or eager between graphs) TF's own functions are put back, so a program Terra
-keeps eager runs at eager's speed, not one Python call per op slower.
+keeps eager runs at eager's speed, not one Python call per op slower; :func:`paused` puts
+them back too.
 
 The op callback used for recording is added on the context directly rather than with
 ``op_callbacks.add_op_callback``, which would rebind ``execute.execute`` over our wrapper;
@@ -88,23 +91,24 @@ def install():
     if not _installed:
         _plain_execute = execute.execute
     _installed = True
-    _route(_handler is not None)
+    _route(_handler)
     functions.install()
 
 
 def uninstall():
     global _handler, _installed
     _handler = None
-    _route(False)
+    _route(None)
     _installed = False
     functions.uninstall()
 
 
-def _route(on: bool):
+def _route(handler):
     """Put the doors in TF's way, or take them out: with no handler set (Terra waiting, or
-    eager between graphs) the ops run through TF's own functions, at no cost per op."""
-    if on:
-        pywrap_tfe.TFE_Py_FastPathExecute = _fast
+    eager between graphs, or :func:`paused`) the ops run through TF's own functions, at no
+    cost per op."""
+    if handler is not None:
+        pywrap_tfe.TFE_Py_FastPathExecute = getattr(handler, "fast_entry", _fast)
         execute.execute = _slow
         record.record_operation = _record
         constant_op.convert_to_eager_tensor = _convert
@@ -119,8 +123,8 @@ def set_handler(handler):
     """Route the calling thread's ops to ``handler`` (``None`` restores plain eager)."""
     global _handler, _owner
     _owner = _get_ident()
-    if _installed and (handler is None) != (_handler is None):
-        _route(handler is not None)
+    if _installed and handler is not _handler:
+        _route(handler)
     _handler = handler
 
 
@@ -130,7 +134,11 @@ def paused():
     global _handler
     saved = _handler
     _handler = None
+    if _installed and saved is not None:
+        _route(None)
     try:
         yield
     finally:
         _handler = saved
+        if _installed and saved is not None:
+            _route(saved)

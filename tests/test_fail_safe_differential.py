@@ -18,6 +18,7 @@ from tiny_models import batch, classification_data, mlp_loop, mlp_task, sparse_x
 import terra
 from terra import (
     graph_runner,
+    lanes,
     library_regions,
     lifecycle,
     python_runner,
@@ -77,6 +78,37 @@ def test_failure_inside_terra_ends_in_eager_numbers(stage, monkeypatch):
     outcome = assert_same_as_eager(program, 10, expect_fallbacks=(0, None), max_traces=6,
                                    min_coexecuted=0)
     assert "injected into" in outcome.explain, outcome.report()
+
+
+def test_a_lanes_own_failure_ends_in_eager_numbers(monkeypatch):
+    """A lane is code Terra writes (``terra.lanes``), called as TF's fast path itself while
+    co-executing: an error in it, here at its third call, is Terra's failure, not the user's."""
+    calls = []
+    original = lanes.build
+
+    def build(*args):
+        lane = original(*args)
+        if lane:
+            follow = lane.follow
+
+            def failing(call_args):
+                calls.append(lane.op_type)
+                if len(calls) == 3:
+                    raise Injected("injected into a lane")
+                return follow(call_args)
+
+            lane.follow = failing
+        return lane
+
+    def program(tape_cls, steps):
+        if tape_cls is terra.TerraGradientTape:
+            monkeypatch.setattr(lanes, "build", build)
+        return mlp_loop(tape_cls, steps)
+
+    outcome = assert_same_as_eager(program, 10, expect_fallbacks=(1, None), max_traces=6,
+                                   min_coexecuted=0)
+    assert len(calls) > 3, calls
+    assert "injected into a lane" in outcome.explain, outcome.report()
 
 
 # -- exact fallback in a BatchNorm network ---------------------------------------------

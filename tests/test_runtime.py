@@ -8,7 +8,7 @@ from tensorflow.python.ops import gen_data_flow_ops
 from tiny_models import batch, mlp_task
 
 import terra
-from terra import hooks, runtime
+from terra import hooks, interception, runtime
 
 
 def train(steps, optimizer, after_step, detour_at=None):
@@ -88,3 +88,28 @@ def test_reset_stops_the_threads_of_its_runtime():
     for thread in ours:
         thread.join(timeout=10)
     assert not [t.name for t in ours if t.is_alive()]
+
+
+def test_a_handlers_fast_entry_is_tfs_fast_path_but_in_paused_sections():
+    """A handler's own ``fast_entry`` (the co-execution door's lanes) is TF's fast path while
+    it is the handler; ``interception.paused()`` puts TF's own back for its section, so
+    Terra's own eager work there never reaches the handler."""
+    seen = []
+
+    class Handler:
+        def fast_entry(self, ctx, op_type, name, *args):
+            seen.append(op_type)
+            return interception.ORIGINAL_FAST(ctx, op_type, name, *args)
+
+    terra.reset()
+    interception.install()
+    x = tf.ones((2, 2))
+    interception.set_handler(Handler())
+    try:
+        tf.add(x, x)
+        with interception.paused():
+            tf.multiply(x, x)
+        tf.subtract(x, x)
+    finally:
+        interception.set_handler(None)
+    assert seen == ["AddV2", "Sub"]
