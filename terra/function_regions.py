@@ -82,9 +82,15 @@ def _wrap(original, name):
 def marked_here(runner, name):
     """Whether the plan has a call mark of function ``name`` where co-execution is: a step
     after the current one. Not where a rolled loop's body has the function's ops alone, nor
-    where its ops come unmarked into a loop's next trip: the call runs op by op."""
-    return any(s is not None and s.kind is NodeKind.MARK and s.op_type == "call" and
-               s.attrs[0] == name and s.attrs[1] == FUNCTION_TOKEN for s in runner.cur.next)
+    where its ops come unmarked into a loop's next trip: the call runs op by op. Asked once
+    per step and name (``PythonRunner.marked``: the plan does not change)."""
+    key = (runner.cur, name)
+    found = runner.marked.get(key)
+    if found is None:
+        found = runner.marked[key] = any(
+            s is not None and s.kind is NodeKind.MARK and s.op_type == "call" and
+            s.attrs[0] == name and s.attrs[1] == FUNCTION_TOKEN for s in runner.cur.next)
+    return found
 
 
 def encode(args, kwargs):
@@ -98,7 +104,8 @@ def encode(args, kwargs):
     tensors, ints = [], []
     try:
         leaves = (_leaf(args, tensors, ints),
-                  tuple((k, _leaf(v, tensors, ints)) for k, v in sorted(kwargs.items())))
+                  tuple([(k, _leaf(v, tensors, ints)) for k, v in sorted(kwargs.items())])
+                  if kwargs else ())
     except _NotEncodable:
         return None
     return tensors, leaves, tuple(ints)
@@ -126,7 +133,7 @@ def _leaf(x, tensors, ints):
         return ("slice", _leaf(x.start, tensors, ints), _leaf(x.stop, tensors, ints),
                 _leaf(x.step, tensors, ints))
     if kind is tuple or kind is list:
-        return (kind.__name__, tuple(_leaf(v, tensors, ints) for v in x))
+        return (kind.__name__, tuple([_leaf(v, tensors, ints) for v in x]))
     if isinstance(x, np.integer):
         ints.append(x.item())
         return ("np", x.dtype.str)

@@ -114,6 +114,9 @@ class PythonRunner(TapeEvents, RegionSkips):
         # where the call ran op by op with those shapes (skips.RegionSkips.learn)
         self._learned = {}
         self._n_learned = {}  # per call mark: the keys in _learned
+        # (step, function name) -> whether a call mark of it follows the step (the plan's
+        # answer, asked at every call of the function: function_regions.marked_here)
+        self.marked = {}
         # a step -> the lanes.Lane into its one successor, or False (the general path only)
         self.lanes = {}
         # the inputs external values are read again from (a "same" slot's alternatives)

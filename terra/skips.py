@@ -115,7 +115,7 @@ class RegionSkips:
             skip = None
         learned = None
         if skip is not None:
-            key = tuple(t._shape_tuple() for t in tensors)
+            key = tuple([t._shape_tuple() for t in tensors])
             if ints is not None:  # a TF function's: learned per shapes and integer arguments
                 key = (key, ints)
                 learned = self._learned.get((step, key))
