@@ -60,17 +60,19 @@ def _run_subprocess(spec: dict, timeout: float) -> dict:
     return run_worker("benchmarks.worker", spec, timeout, keras_env(spec["keras"]))
 
 
-def run_worker(module: str, spec: dict, timeout: float, extra_env: dict = ()) -> dict:
-    """``python -m module <spec as JSON>`` in a fresh process with the project importable;
-    its result is the line tagged ``RESULT_TAG``. A crash or a timeout becomes the result's
-    ``error`` (with the last lines of stderr)."""
+def run_worker(module: str, spec: dict, timeout: float, extra_env: dict = (),
+               root: Path = ROOT) -> dict:
+    """``python -m module <spec as JSON>`` in a fresh process with the project at ``root``
+    (this checkout, or another one to compare with) importable first; its result is the line
+    tagged ``RESULT_TAG``. A crash or a timeout becomes the result's ``error`` (with the last
+    lines of stderr)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(extra_env)
     cmd = [sys.executable, "-m", module, json.dumps(spec)]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         return dict(spec, error=f"timeout after {timeout:.0f} s")

@@ -30,16 +30,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
 from benchmarks.harness import run_worker
-from benchmarks.worker import RESULT_TAG, keras_env, serve
+from benchmarks.worker import keras_env, serve
 
 CHAIN_OPS = 500  # the chain step's ops (ReadVariableOp, AddV2, Mul, StridedSlice, ...)
 # program -> (warm-up, timed steps); yolov3 warms up over its eight batches three times, so
@@ -234,20 +231,15 @@ def compare_trees(trees, program, repeats, timeout, log=print) -> str:
     reversed every other round), as a table of medians: door us/op, ms/step, and each tree's
     step over the first's."""
     warmup, steps = DEFAULTS.get(program, (8, 12))
-    spec = json.dumps(dict(program=program, mode="terra", warmup=warmup, steps=steps))
+    spec = dict(program=program, mode="terra", warmup=warmup, steps=steps)
+    env = dict(keras_env(3), TERRA_BUDGET="inf")
     runs = {tree: [] for tree in trees}
     for r in range(repeats):
         for tree in trees if r % 2 == 0 else trees[::-1]:
-            root = pathlib.Path(tree).resolve()
-            env = dict(os.environ, **keras_env(3), PYTHONPATH=str(root), TERRA_BUDGET="inf",
-                       TF_CPP_MIN_LOG_LEVEL="2")
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.per_op", spec], cwd=root,
-                                  env=env, capture_output=True, text=True, timeout=timeout)
-            found = [line[len(RESULT_TAG):] for line in proc.stdout.splitlines()
-                     if line.startswith(RESULT_TAG)]
-            if not found:
-                raise SystemExit(f"{tree}: worker failed\n{proc.stderr[-2000:]}")
-            result = json.loads(found[0])
+            result = run_worker("benchmarks.per_op", spec, timeout, env,
+                                root=pathlib.Path(tree).resolve())
+            if "error" in result:
+                raise SystemExit(f"{tree}: {result['error']}\n{result.get('traceback', '')}")
             runs[tree].append(result)
             log(f"  {tree} round {r + 1}: {result['ms']:.2f} ms/step, door "
                 f"{result['door_us']:.2f} us/op", file=sys.stderr)
