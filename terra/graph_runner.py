@@ -21,7 +21,7 @@ from terra import profiling
 
 
 class Job:
-    __slots__ = ("graph", "step", "cm", "done", "error", "snapshot", "cancelled",
+    __slots__ = ("graph", "step", "cm", "done", "entered", "error", "snapshot", "cancelled",
                  "submitted", "started", "exec_time", "committed", "ready", "early")
 
     def __init__(self, graph, step=0):
@@ -29,6 +29,7 @@ class Job:
         self.step = step  # the iteration's number, for the profiler's step view
         self.cm = cancellation.CancellationManager()
         self.done = threading.Event()
+        self.entered = threading.Event()  # the runner's thread is in TF's call, or done
         self.error = self.snapshot = None
         self.early = None  # the snapshot of the variables a gated graph writes before its gate
         self.cancelled = self.submitted = self.started = False
@@ -57,6 +58,19 @@ class GraphRunner:
             job.submitted = True
         self._jobs.put(job)
 
+    def start(self, job: Job, timeout: float):
+        """Submit ``job`` and hand this runner's thread the interpreter until it is inside
+        the graph's call (at most ``timeout`` seconds). Without the handover the submitting
+        thread keeps the GIL while it runs Python, and the graph would start only when that
+        thread next releases it: at its first eager op (a feed's enqueue, which then waits
+        for this thread's Python), its first wait, or the interpreter's switch interval.
+        Only for a graph called without a snapshot first: the wait would hold the snapshot's
+        time too, which the submitting thread can spend running Python."""
+        self.submit(job)
+        g = job.graph
+        if (g.snapshot_fn is None or g.commit is not None) and g.early_fn is None:
+            job.entered.wait(timeout)
+
     def cancel(self, job: Job):
         with self._lock:
             job.cancelled = True
@@ -81,6 +95,7 @@ class GraphRunner:
             if job.started:
                 with profiling.trace("terra_graph_step", step_num=job.step, _r=1):
                     self._run(job, ctx)
+            job.entered.set()
             job.done.set()
 
     def _run(self, job, ctx):
@@ -92,6 +107,7 @@ class GraphRunner:
                 self.snapshots += 1
             elif g.early_fn is not None:
                 job.early = g.early_fn()
+            job.entered.set()
             execute.execute_with_cancellation(
                 g.fn_name, 0, g.captures, g.call_attrs, ctx, job.cm)
         except Exception as e:  # noqa: BLE001 - every failure is handed to the PythonRunner

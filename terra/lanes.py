@@ -271,18 +271,20 @@ def _input_check(i, kind, reread, flag):
     return [f"        if type({a}) is ET:",
             f"            if {a}._id in tensors:  # a stand-in where a value is read",
             "                return MISS",
-            f"            if {a}._id != CID{i}[0]:",
-            f"                if {a}._datatype_enum() != DT{i}:",
-            "                    return MISS",
-            # a Python scalar converted to it, known to give the value: no read-back
-            f"                src = converted.get({a}._id)",
-            f"                if src is None or SCALARS{i}.get(src) is not type(src):",
+            # a Python scalar converted to it (a fresh tensor each call), known to give the
+            # value in the slot's dtype: no read-back, nothing to remember
+            f"            src = converted.get({a}._id)",
+            f"            if src is None or SCALARS{i}.get(src) is not type(src) or "
+            f"{a}._datatype_enum() != DT{i}:",
+            f"                if {a}._id != CID{i}[0]:",
+            f"                    if {a}._datatype_enum() != DT{i}:",
+            "                        return MISS",
             f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
             f"                    if {compare}:",
             "                        return MISS",
             "                    if src:  # not 0, whose key -0.0 shares",
             f"                        SCALARS{i}[src] = type(src)",
-            f"                CID{i}[0] = const_ids[SID{i}] = {a}._id  # this tensor has the value",
+            f"                    CID{i}[0] = const_ids[SID{i}] = {a}._id  # it has the value",
             f"        elif {a} is not LAST{i}[0]:",
             f"            if type({a}) is ndarray and LAST{i}[1] is not None:",
             f"                dtype, shape, data = LAST{i}[1]",

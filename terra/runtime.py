@@ -55,6 +55,10 @@ from terra.marks import TapeMarks
 from terra.python_runner import Iteration, PythonRunner
 from terra.trace import Recorder
 
+# how long an iteration's start waits for the GraphRunner's thread to take its job (past
+# that, the graph starts at Python's next release of the interpreter, as it would without)
+_HANDOVER = 0.05
+
 
 @dataclasses.dataclass
 class Stats:
@@ -182,7 +186,7 @@ class Runtime(Exits):
             it = Iteration(job)
             self.span.begin("terra_coexecute", step_num=s.iterations)
             if not config.lazy:  # lazy: the PythonRunner submits when it first waits
-                self.graph_runner.submit(job)
+                self.graph_runner.start(job, _HANDOVER)
             self.runner.begin(it)
             interception.set_handler(self.coexec_door)
         elif self.phase in ("warmup", "eager", "waiting", "instantiating"):

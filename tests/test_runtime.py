@@ -2,13 +2,14 @@
 
 import gc
 import threading
+import types
 
 import tensorflow as tf
 from tensorflow.python.ops import gen_data_flow_ops
 from tiny_models import batch, mlp_task
 
 import terra
-from terra import hooks, interception, runtime
+from terra import graph_runner, hooks, interception, runtime
 
 
 def train(steps, optimizer, after_step, detour_at=None):
@@ -113,3 +114,27 @@ def test_a_handlers_fast_entry_is_tfs_fast_path_but_in_paused_sections():
     finally:
         interception.set_handler(None)
     assert seen == ["AddV2", "Sub"]
+
+
+def test_an_iterations_start_hands_the_graph_runner_the_interpreter(monkeypatch):
+    """``GraphRunner.start`` returns once the runner's thread is in its job: the thread that
+    submitted it runs Python without releasing the GIL (lanes make no eager op), so a job
+    only submitted would wait for that thread's next eager op or the switch interval. The
+    job's Python here records that it ran; ``start`` must not return before it did."""
+    ran = []
+
+    def run(self, job, ctx):
+        ran.append(job)
+        job.entered.set()
+
+    monkeypatch.setattr(graph_runner.GraphRunner, "_run", run)
+    runner = graph_runner.GraphRunner(on_error=lambda job: None)
+    try:
+        plain = types.SimpleNamespace(snapshot_fn=None, commit=None, early_fn=None)
+        for step in range(20):
+            job = graph_runner.Job(plain, step)
+            runner.start(job, timeout=10.0)
+            assert ran and ran[-1] is job, f"job {step} had not started when start returned"
+            job.done.wait(10.0)
+    finally:
+        runner.stop()
