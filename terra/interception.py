@@ -15,6 +15,11 @@ thread go to it; everything else (other threads, Terra's own queue ops, which ca
 keeps eager runs at eager's speed, not one Python call per op slower; :func:`paused` puts
 them back too.
 
+``record.stop_recording`` (``tf.init_scope``, a custom gradient's forward function, a
+function call) is wrapped from :func:`install` on, whatever the handler, so that
+:data:`tapes_stopped` follows every pause of the owning thread's gradient recording: a lane
+notes it per op from there, where asking TF would be a call more per op.
+
 The op callback used for recording is added on the context directly rather than with
 ``op_callbacks.add_op_callback``, which would rebind ``execute.execute`` over our wrapper;
 the slow door therefore hands off to ``execute_with_callbacks``.
@@ -33,11 +38,15 @@ ORIGINAL_FAST = pywrap_tfe.TFE_Py_FastPathExecute
 ORIGINAL_SLOW = execute.execute_with_callbacks
 ORIGINAL_RECORD = record.record_operation
 ORIGINAL_CONVERT = constant_op.convert_to_eager_tensor
+ORIGINAL_STOP = record.stop_recording
 
 # EagerTensor._id -> the Python scalar (int, float, bool) the owning thread converted to that
 # tensor while a handler was set; the runtime empties it at each iteration's start
 converted: dict = {}
 _SCALARS = (int, float, bool)
+# whether the owning thread's gradient recording is paused (TFE_Py_TapeSetIsStopped): read
+# from TF when a handler is set, kept by the wrapped ``record.stop_recording`` after
+tapes_stopped = [False]
 
 _handler = None
 _owner = None
@@ -82,6 +91,19 @@ def _record(op_type, output_tensors, input_tensors, backward_function,
                            forward_function)
 
 
+@contextlib.contextmanager
+def _stop_recording():
+    mine = _get_ident() == _owner
+    try:
+        with ORIGINAL_STOP():
+            if mine:
+                tapes_stopped[0] = True
+            yield
+    finally:
+        if mine:  # paused before, or not
+            tapes_stopped[0] = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+
+
 _installed = False
 _plain_execute = None  # ``execute.execute`` as it was when installed (TF's quick_execute)
 
@@ -92,6 +114,7 @@ def install():
         _plain_execute = execute.execute
     _installed = True
     _route(_handler)
+    record.stop_recording = _stop_recording
     functions.install()
 
 
@@ -100,6 +123,7 @@ def uninstall():
     _handler = None
     _route(None)
     _installed = False
+    record.stop_recording = ORIGINAL_STOP
     functions.uninstall()
 
 
@@ -123,6 +147,7 @@ def set_handler(handler):
     """Route the calling thread's ops to ``handler`` (``None`` restores plain eager)."""
     global _handler, _owner
     _owner = _get_ident()
+    tapes_stopped[0] = pywrap_tfe.TFE_Py_TapeSetIsStopped()
     if _installed and handler is not _handler:
         _route(handler)
     _handler = handler

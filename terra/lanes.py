@@ -24,7 +24,6 @@ Lanes are the runner's own table, like its other memos: the plan is only read.
 """
 
 import numpy as np
-from tensorflow.python import pywrap_tfe
 from tensorflow.python.framework import ops
 
 from terra import interception
@@ -154,7 +153,7 @@ def _sources(standins, specs):
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "LoggedOp": LoggedOp, "new": tuple.__new__,
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
-    "flatten": flatten, "pack_fast": pack_fast, "tape_stopped": pywrap_tfe.TFE_Py_TapeSetIsStopped,
+    "flatten": flatten, "pack_fast": pack_fast, "stopped": interception.tapes_stopped,
     "np_shape": np.shape, "converted": interception.converted, "shape_ok": shape_ok,
     "signature_part": signature_part,
 }
@@ -332,7 +331,7 @@ def _outputs(n_out, shaped, one, fetch, logged):
         outs, entries = "outs", "*entries,"
     # LoggedOp's flat layout, written out: one tuple, no lists
     n_entries = "1" if entries == "e," else "len(entries)"
-    code += ["        it.log.append(new(LoggedOp, (STEP, tape_stopped(), "
+    code += ["        it.log.append(new(LoggedOp, (STEP, stopped[0], "
              f"{n_entries}, {entries} {logged})))",
              "        runner.cur = STEP  # and passed, as PythonRunner._move passes it",
              "        seqs[STEP] = seq",

@@ -142,3 +142,30 @@ def test_replay_pauses_the_tape_where_eager_did():
                                    max_traces=4)
     assert outcome.stats.phase == "coexecution", outcome.report()
     assert outcome.stats.coexecuted >= 8, outcome.report()
+
+
+def test_ops_issued_with_recording_paused_are_replayed_paused():
+    """Ops under ``tf.init_scope`` inside the tape (gradient recording paused: the loss's
+    scale is a constant to the gradient) pass along lanes, which note the pause per op; a
+    path change later in the same iteration replays them, paused again, or the gradient
+    would flow through the scale."""
+    def program(tape_cls, steps):
+        data, model, optimizer, loss_fn = mlp_task(steps)
+        losses = []
+        for step in range(steps):
+            record_stats(f"step{step}")
+            x, y = batch(data, step, 16)
+            with tape_cls() as tape:
+                logits = model(x, training=True)
+                with tf.init_scope():
+                    scale = 1.0 + tf.reduce_mean(tf.square(logits))
+                loss = loss_fn(y, logits) * scale
+                if step == CHANGED_STEP:
+                    loss += 1e-2 * tf.reduce_sum(tf.square(logits))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            losses.append(float(loss))
+        return {"losses": losses, **state(model, optimizer)}
+
+    outcome = assert_same_as_eager(program, STEPS, expect_fallbacks=(1, 2), max_traces=4)
+    assert outcome.stats_at(f"step{CHANGED_STEP + 1}").fallbacks >= 1, outcome.report()
