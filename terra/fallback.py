@@ -18,6 +18,7 @@ from tensorflow.python.util import nest
 
 from terra import functions, opdefs
 from terra.nodes import SlotKind
+from terra.standins import Entry
 
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
 
@@ -48,6 +49,11 @@ class LoggedOp(tuple):
     @property
     def inputs(self):
         return self[3 + self[2]:]
+
+
+# the records of a graph op Python issued: a LoggedOp, or the entry of the one output a
+# lane made (``standins.Entry``, which is then its op's record)
+OP_RECORDS = (LoggedOp, Entry)
 
 
 @dataclasses.dataclass(slots=True)
@@ -234,7 +240,7 @@ def _replay(log, recorder, tapes, customs):
                 recorder.record_op(node.op_type, [_tensor(_real(x), s) for x, s in
                                                   zip(inputs, step.slots)],
                                    _flat_attrs(node.attrs), logged.outputs)
-            else:
+            else:  # an op's record (OP_RECORDS)
                 args = [_tensor(_real(x), s) for x, s in zip(inputs, step.slots)]
                 results = _execute(node, args, logged.stopped, tapes, recorder, ctx)
                 for entry, r in zip(logged.outputs, results):
@@ -304,7 +310,7 @@ def _replayed(before):
     values, reads = {}, {}
     for order, earlier in enumerate(before):
         kind = type(earlier)
-        if kind in (LoggedOp, LoggedGradient):
+        if kind in OP_RECORDS or kind is LoggedGradient:
             for e in earlier.outputs:
                 if e is not None:
                     values[(e.step.node, e.out)] = (order, e.value)
@@ -314,7 +320,7 @@ def _replayed(before):
         elif kind is LoggedSkip:
             values.update(earlier.values)
             reads.update(earlier.reads)
-        if kind in (LoggedOp, LoggedPythonOp):
+        if kind in OP_RECORDS or kind is LoggedPythonOp:
             reads[earlier.step.node] = (order, earlier.inputs)
     return values, reads
 

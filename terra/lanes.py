@@ -151,7 +151,8 @@ def _sources(standins, specs):
 
 
 _GLOBALS = {
-    "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "LoggedOp": LoggedOp, "new": tuple.__new__,
+    "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "alloc": object.__new__,
+    "LoggedOp": LoggedOp, "new": tuple.__new__,
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "stopped": interception.tapes_stopped,
     "np_shape": np.shape, "converted": interception.converted, "shape_ok": shape_ok,
@@ -229,7 +230,7 @@ def _source(form):
             code += [f"        CH{i}.put(a{i})",
                      "        if it.signature is not None:",
                      f"            it.signature.append(signature_part(a{i}, STEP.op_type, {i}))"]
-    logged = ", ".join(f"e{i}" if k[0] == _NODE else f"a{i}" for i, k in enumerate(kinds))
+    logged = [f"e{i}" if k[0] == _NODE else f"a{i}" for i, k in enumerate(kinds)]
     code += _outputs(n_out, shaped, one, fetch, logged)
     code += ["", "    return follow", ""]
     return "\n".join(code)
@@ -302,21 +303,29 @@ def _input_check(i, kind, reread, flag):
 
 
 def _outputs(n_out, shaped, one, fetch, logged):
-    """The lines after a lane's checks: the stand-ins and their entries (one output without a
-    loop), the log record of the op with its ``logged`` inputs, the move, the results."""
+    """The lines after a lane's checks: the stand-ins and their entries, the log record of
+    the op with its ``logged`` inputs (names), the move, the results. An op of one output
+    (its spec known) is logged as its entry, whose fields are set inline; others as a
+    ``LoggedOp``."""
     code = ["        seq = runner.seq"]
     # a step's position in its fetch channels; 0 where it has none (PythonRunner._visit)
     visit = "visit" if fetch else "0"
     if fetch:
         code.append("        visit = visits.get(STEP, 0)")
+    inputs = "".join(f"{name}, " for name in logged)
     if n_out == 1 and not shaped:
+        fields = {"runner": "runner", "iteration": "it", "step": "STEP", "out": "0",
+                  "value": "static[0]", "visit": visit, "seq": "seq",
+                  "stopped": "stopped[0]", "inputs": f"({inputs})"}
         code += ["        dummy, spare = SRC0",
                  "        s = spare.pop() if spare else dummy._copy_to_device(device)",
-                 f"        e = Entry(runner, it, STEP, 0, static[0], {visit}, seq)",
-                 "        tensors[s._id] = e",
+                 "        e = alloc(Entry)"]
+        code += [f"        e.{name} = {fields[name]}" for name in Entry.__slots__]
+        code += ["        tensors[s._id] = e",
                  "        handed = it.entries",
-                 "        handed += (e, s, spare)"]
-        outs, entries = "[s]", "e,"
+                 "        handed += (e, s, spare)",
+                 "        it.log.append(e)"]
+        outs, first = "[s]", "s"
     else:
         sources = "sources" if shaped else f"({''.join(f'SRC{k}, ' for k in range(n_out))})"
         code += ["        outs, entries = [], []",
@@ -327,19 +336,15 @@ def _outputs(n_out, shaped, one, fetch, logged):
                  "            tensors[s._id] = e",
                  "            handed += (e, s, spare)",
                  "            outs.append(s)",
-                 "            entries.append(e)"]
-        outs, entries = "outs", "*entries,"
-    # LoggedOp's flat layout, written out: one tuple, no lists
-    n_entries = "1" if entries == "e," else "len(entries)"
-    code += ["        it.log.append(new(LoggedOp, (STEP, stopped[0], "
-             f"{n_entries}, {entries} {logged})))",
-             "        runner.cur = STEP  # and passed, as PythonRunner._move passes it",
+                 "            entries.append(e)",
+                 # LoggedOp's flat layout, written out: one tuple, no lists
+                 "        it.log.append(new(LoggedOp, (STEP, stopped[0], len(entries), "
+                 f"*entries, {inputs})))"]
+        outs, first = "outs", "outs[0]"
+    code += ["        runner.cur = STEP  # and passed, as PythonRunner._move passes it",
              "        seqs[STEP] = seq",
              "        runner.seq = seq + 1"]
     if fetch:
         code.append("        runner._visit(STEP)")
-    if one:
-        code.append("        return s" if outs == "[s]" else "        return outs[0]")
-    else:
-        code.append(f"        return pack_fast(PLAN, {outs})")
+    code.append(f"        return {first}" if one else f"        return pack_fast(PLAN, {outs})")
     return code

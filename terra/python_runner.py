@@ -75,7 +75,11 @@ class Iteration:
 
     def release(self):
         """Nothing will be replayed any more: let go of the batches, tapes and snapshot (a
-        stand-in Python keeps holds its entry, and the entry this iteration)."""
+        stand-in Python keeps holds its entry, and the entry this iteration; an entry that
+        was its op's log record lets go of the op's inputs)."""
+        for logged in self.log or ():
+            if type(logged) is Entry:
+                logged.inputs = None
         self.log = self.fed = self.customs = self.held = None
         self.job.snapshot = self.job.early = None
 

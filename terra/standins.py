@@ -51,9 +51,15 @@ def _untouched(shape, dt):
 class Entry:
     """Hook-table entry of a tensor the PythonRunner handed to Python. ``visit``: its
     position in the step's fetch channels; ``seq``: the runner's count of matched steps when
-    the step that made it was matched (a loop's body step is matched once per trip)."""
+    the step that made it was matched (a loop's body step is matched once per trip).
 
-    __slots__ = ("runner", "iteration", "step", "out", "value", "visit", "seq")
+    The entry a lane makes for an op of one output is also that op's record in the
+    iteration's log, in place of a ``fallback.LoggedOp``: it then has the record's
+    ``stopped`` and ``inputs``, and is its one output. One object per op where two were;
+    the lane sets the fields inline (``terra.lanes``), a call less."""
+
+    __slots__ = ("runner", "iteration", "step", "out", "value", "visit", "seq",
+                 "stopped", "inputs")
 
     def __init__(self, runner, iteration, step, out, value, visit, seq):
         # one statement each: a lane makes one an op, and a packed assignment costs 15% more
@@ -68,6 +74,11 @@ class Entry:
     @property
     def node(self):
         return self.step.node
+
+    @property
+    def outputs(self):
+        """As the op's log record: its outputs, this entry."""
+        return (self,)
 
     def numpy(self, tensor):
         """The value Python materializes: fetched from the graph, or, if co-execution must be

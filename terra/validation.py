@@ -14,7 +14,7 @@ from tensorflow.python.framework import constant_op, dtypes, ops
 
 from terra import opdefs
 from terra.divergence import Divergence, RegionMissed
-from terra.fallback import LoggedOp, LoggedPythonOp, LoggedSkip
+from terra.fallback import OP_RECORDS, LoggedPythonOp, LoggedSkip
 from terra.nodes import SlotKind
 from terra.standins import Entry
 from terra.trace import signature_part
@@ -251,9 +251,10 @@ def _unreached_source(it, step, inputs, tensors):
         if kind is LoggedSkip:
             _skipped_flows(entry, made_by, produced, kept)
             continue
-        if kind is LoggedOp and entry.stopped:  # issued with recording paused
-            continue
-        if kind is not LoggedOp and kind is not LoggedPythonOp:  # marks, gradient calls
+        if kind in OP_RECORDS:
+            if entry.stopped:  # issued with recording paused
+                continue
+        elif kind is not LoggedPythonOp:  # marks, gradient calls
             continue
         logged, ins, outputs = entry.step, entry.inputs, entry.outputs
         flows = opdefs.gradient_flows(logged.op_type, logged.attrs, tuple(

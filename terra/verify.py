@@ -58,7 +58,7 @@ import warnings
 import numpy as np
 from tensorflow.python.framework import errors
 
-from terra import fallback, hooks, interception, opdefs, profiling
+from terra import fallback, hooks, interception, opdefs, profiling, standins
 from terra.config import config
 from terra.location import user_location
 from terra.nodes import NodeKind, SlotKind
@@ -149,7 +149,11 @@ class Verifier:
                 after = graph.snapshot_fn()
         before = job.snapshot if job.early is None or job.snapshot is None else \
             [*job.early, *job.snapshot]  # graph.written: those before the gate first
-        kept = _Kept(self.stats.iterations, it.log, it.customs, graph.written,
+        # an op's record that is its output's entry loses its inputs when the iteration
+        # is released: kept as a LoggedOp
+        log = [fallback.LoggedOp(r.step, r.inputs, r.outputs, r.stopped)
+               if type(r) is standins.Entry else r for r in it.log]
+        kept = _Kept(self.stats.iterations, log, it.customs, graph.written,
                      graph.snapshot_fn, before, after)
         self.stats.verify_time += time.perf_counter() - began
         return kept
@@ -254,7 +258,7 @@ def _graph_values(log):
     found = []
     for order, logged in enumerate(log):
         kind = type(logged)
-        if kind is fallback.LoggedOp:
+        if kind in fallback.OP_RECORDS:
             what = "output {} of"
         elif kind is fallback.LoggedGradient:
             what = "gradient result {} of"

@@ -3,7 +3,9 @@
 import gc
 import threading
 import types
+import weakref
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import gen_data_flow_ops
 from tiny_models import batch, mlp_task
@@ -138,3 +140,30 @@ def test_an_iterations_start_hands_the_graph_runner_the_interpreter(monkeypatch)
             job.done.wait(10.0)
     finally:
         runner.stop()
+
+
+def test_a_kept_loss_does_not_pin_its_iterations_batches():
+    """A loss Python keeps outlives its iteration with its entry; an entry a lane made is
+    also its op's log record, whose inputs lead back to the fed batch. Once the iteration
+    is released the record's inputs must go, or every kept loss holds its batch."""
+    terra.reset()
+    w = tf.Variable(tf.fill((4, 2), 0.5))
+    rng = np.random.default_rng(0)
+    kept, batches = [], []
+    try:
+        for _ in range(30):
+            x = tf.constant(rng.normal(size=(8, 4)).astype("float32"))
+            batches.append(weakref.ref(x))
+            with terra.TerraGradientTape() as tape:
+                h = tf.matmul(x, w)
+                loss = tf.reduce_mean(h * h)
+            w.assign_sub(0.01 * tape.gradient(loss, w))
+            kept.append(loss)
+            del x, h, loss
+        assert runtime.get().stats.coexecuted >= 20, terra.explain()
+        gc.collect()
+        alive = [i for i, batch in enumerate(batches) if batch() is not None]
+        assert len(alive) <= 1, f"the batches of iterations {alive} are still alive"
+        assert len([float(t) for t in kept]) == 30
+    finally:
+        terra.reset()
