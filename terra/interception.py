@@ -6,14 +6,15 @@ wrapping them sees every op except C++-internal constant conversion. A handler m
 own function for the first (``handler.fast_entry``, with its signature, passing other
 threads' ops): ``CoexecDoor``'s answers an op on a lane without a call more per op.
 ``record.record_operation`` is wrapped the same way, to hear of custom gradients, and
-``constant_op.convert_to_eager_tensor`` to note which Python scalar each new constant tensor
-holds (:data:`converted`: a lane then knows a fresh ``tf.add(x, 1.0)`` constant by the
-``1.0``, without reading the tensor back). While a handler is set, ops issued by the owning
-thread go to it; everything else (other threads, Terra's own queue ops, which call
-``quick_execute`` directly) passes straight through. While no handler is set
-(Terra waiting, or eager between graphs) TF's own functions are put back, so a program Terra
-keeps eager runs at eager's speed, not one Python call per op slower; :func:`paused` puts
-them back too.
+``constant_op.convert_to_eager_tensor`` to note which Python scalar or small array each new
+constant tensor holds (:data:`converted`: a lane then knows a fresh ``tf.add(x, 1.0)``
+constant by the ``1.0``, and ``tf.reduce_sum(x)``'s axes by their array, without reading
+the tensor back).
+While a handler is set, ops issued by the owning thread go to it; everything else (other
+threads, Terra's own queue ops, which call ``quick_execute`` directly) passes straight
+through. While no handler is set (Terra waiting, or eager between graphs) TF's own functions
+are put back, so a program Terra keeps eager runs at eager's speed, not one Python call per
+op slower; :func:`paused` puts them back too.
 
 ``record.stop_recording`` (``tf.init_scope``, a custom gradient's forward function, a
 function call) is wrapped from :func:`install` on, whatever the handler, so that
@@ -28,6 +29,7 @@ the slow door therefore hands off to ``execute_with_callbacks``.
 import contextlib
 import threading
 
+import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, execute, record
 from tensorflow.python.framework import constant_op
@@ -40,10 +42,12 @@ ORIGINAL_RECORD = record.record_operation
 ORIGINAL_CONVERT = constant_op.convert_to_eager_tensor
 ORIGINAL_STOP = record.stop_recording
 
-# EagerTensor._id -> the Python scalar (int, float, bool) the owning thread converted to that
-# tensor while a handler was set; the runtime empties it at each iteration's start
+# EagerTensor._id -> the Python scalar (int, float, bool), or the (dtype, shape, bytes) of
+# the small numpy array (the axes ``tf.reduce_sum(x)`` makes at every call), the owning
+# thread converted to that tensor while a handler was set; emptied at each iteration's start
 converted: dict = {}
 _SCALARS = (int, float, bool)
+_SMALL = 64  # elements of an array worth noting: a lane compares its bytes
 # whether the owning thread's gradient recording is paused (TFE_Py_TapeSetIsStopped): read
 # from TF when a handler is set, kept by the wrapped ``record.stop_recording`` after
 tapes_stopped = [False]
@@ -62,8 +66,12 @@ def _fast(ctx, op_type, name, *args):
 
 def _convert(value, ctx, dtype=None):
     t = ORIGINAL_CONVERT(value, ctx, dtype)
-    if type(value) in _SCALARS and _handler is not None and _get_ident() == _owner:
-        converted[t._id] = value
+    kind = type(value)
+    if (kind in _SCALARS or kind is np.ndarray and value.size <= _SMALL) and \
+            _handler is not None and _get_ident() == _owner:
+        # an array as its bytes then: Python may change the array afterwards
+        converted[t._id] = value if kind is not np.ndarray else \
+            (value.dtype, value.shape, value.tobytes())
     return t
 
 

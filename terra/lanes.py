@@ -89,6 +89,9 @@ def build(runner, cur, step, info, attrs, plan):
             bound[f"SID{i}"], bound[f"DT{i}"], bound[f"FED{i}"] = id(slot), slot.dtype, fed
             bound[f"SHAPE{i}"] = slot.value.shape if slot.value is not None else None
             bound[f"BYTES{i}"] = slot.value_bytes
+            # the key of an array converted to this value (interception.converted)
+            bound[f"KEY{i}"] = None if slot.value is None else \
+                (slot.value.dtype, slot.value.shape, slot.value_bytes)
             # Python scalars converted to it (value -> type: 1 and 1.0 are one key), and the
             # id of the tensor of its value validated last
             bound[f"SCALARS{i}"], bound[f"CID{i}"] = {}, [None]
@@ -168,7 +171,7 @@ def _source(form):
     anything was done."""
     n, spread, bare, kinds, n_out, shaped, one, fetch = form
     names = [f"P{i}, K{i}" if k[0] == _NODE else
-             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, SCALARS{i}, CID{i}"
+             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, KEY{i}, SCALARS{i}, CID{i}"
              if k[0] == _CONST else
              f"FS{i}, DT{i}, FED{i}, CH{i}" if k[0] == _FED else
              f"ID{i}, FED{i}" for i, k in enumerate(kinds)]
@@ -272,17 +275,18 @@ def _input_check(i, kind, reread, flag):
             f"            if {a}._id in tensors:  # a stand-in where a value is read",
             "                return MISS",
             # a Python scalar converted to it (a fresh tensor each call), known to give the
-            # value in the slot's dtype: no read-back, nothing to remember
+            # value in the slot's dtype, or an array of the value's dtype, shape and bytes:
+            # no read-back, nothing to remember
             f"            src = converted.get({a}._id)",
-            f"            if src is None or SCALARS{i}.get(src) is not type(src) or "
-            f"{a}._datatype_enum() != DT{i}:",
+            f"            if src is None or (src != KEY{i} if type(src) is tuple else "
+            f"SCALARS{i}.get(src) is not type(src)) or {a}._datatype_enum() != DT{i}:",
             f"                if {a}._id != CID{i}[0]:",
             f"                    if {a}._datatype_enum() != DT{i}:",
             "                        return MISS",
             f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
             f"                    if {compare}:",
             "                        return MISS",
-            "                    if src:  # not 0, whose key -0.0 shares",
+            "                    if src and type(src) is not tuple:  # not 0: -0.0 shares it",
             f"                        SCALARS{i}[src] = type(src)",
             f"                    CID{i}[0] = const_ids[SID{i}] = {a}._id  # it has the value",
             f"        elif {a} is not LAST{i}[0]:",

@@ -58,13 +58,18 @@ def chain_program(change):
             perm = np.array([0, 1] if late and change == "array" else [1, 0])
             cut = 2 if late and change == "const" else 1
             axis = [1] if late and change == "list" else [0]
+            # an array converted to a new tensor every step; "converted array": converted
+            # from [1], then the array set back to the [0] of every other step
+            dims = np.array([1 if late and change == "converted array" else 0])
             with tape_cls() as tape:
+                dims_t = tf.constant(dims)
+                dims[0] = 0
                 y = tf.add(x, scalar) * w
                 y = tf.concat([y[cut:], y[:cut]], 0)
                 y = tf.transpose(y, perm)
                 y = tf.reverse(y, axis)
                 z = tf.multiply(y, held if late and change == "producer" else y)
-                loss = tf.reduce_sum(z)
+                loss = tf.reduce_sum(tf.reduce_max(z, dims_t))  # the axis matters
             grad = tape.gradient(loss, w)
             w.assign_sub(1e-3 * grad)
             held = y
@@ -75,7 +80,7 @@ def chain_program(change):
 
 
 @pytest.mark.parametrize("change", ["none", "scalar", "array", "list", "const", "producer",
-                                    "fed shape"])
+                                    "fed shape", "converted array"])
 def test_a_changed_input_leaves_the_lane_for_the_general_path(change, followed):
     changed = change != "none"  # a fallback, then traces of the new path
     assert_same_as_eager(chain_program(change), STEPS, expect_fallbacks=(changed, None),
@@ -83,6 +88,7 @@ def test_a_changed_input_leaves_the_lane_for_the_general_path(change, followed):
     assert sum(followed.values()) > 0
     if not changed:
         assert followed[("AddV2", False)] > 0, followed  # the batch, fed by the lane
+        assert followed[("Sum", False)] > 0, followed  # axes converted from arrays
 
 
 def forms_program(tape_cls, steps):
