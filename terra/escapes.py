@@ -19,7 +19,7 @@ import types
 import weakref
 
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.framework import ops
+from tensorflow.python.framework import errors, ops
 
 _EagerTensor = ops.EagerTensor
 _no_tapes = pywrap_tfe.TFE_Py_TapeSetIsEmpty
@@ -69,8 +69,12 @@ def sweep(it, tensors, pool=False):
         if pool and spare is not None and not spare:
             # Python keeps this spec's stand-ins (a loss, each iteration): copy one now,
             # after the graph's waits, where an eager op costs ~2 us, not in the next
-            # iteration's lane, where TF's code is out of the caches (~30 us)
-            spare.append(t._copy_to_device(t.backing_device))
+            # iteration's lane, where TF's code is out of the caches (~30 us). A copy that
+            # fails here is not the user's error: the next op of the spec copies its own.
+            try:
+                spare.append(t._copy_to_device(t.backing_device))
+            except errors.OpError:
+                pass
     return held[::3]
 
 
