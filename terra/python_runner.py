@@ -20,6 +20,7 @@ from tensorflow.python.eager.core import _NotOkStatusException
 from tensorflow.python.framework import constant_op, dtypes, errors, ops
 
 from terra import commit, escapes, functions, lanes, opdefs, path
+from terra.config import config
 from terra.divergence import (
     Divergence,
     GraphFailed,
@@ -110,7 +111,13 @@ class PythonRunner(TapeEvents, RegionSkips):
         # ``seqs``, when it last passed the step (its running count ``seq``: which producer
         # of a phi ran last); ``visits``, how many iterations passed it (the position of the
         # next value in its fetch channels); how the fast path packs its results.
-        self.seqs = {}
+        # The steps whose pass is ever asked for: looped ones (which trip a value is of) and
+        # the producers of joined inputs (which of them ran last). A lane passing any other
+        # step leaves ``seqs`` alone; under TERRA_CHECK, asking for another is an error.
+        self.seq_read = {s for s in graph.steps.values() if s.looped} | {
+            self.step_of[n].owner for s in graph.steps.values() for slot in s.slots
+            if len(slot.alts) > 1 for n, _ in slot.alts}
+        self.seqs = _AskedSeqs(self.seq_read) if config.check else {}
         self.visits = {}
         self._packs = {}
         self._skips = {}  # a region's call mark -> its skips.Skip, or None (not skippable)
@@ -461,3 +468,17 @@ class PythonRunner(TapeEvents, RegionSkips):
 # any further op is past the end.
 _ENDED = Step(None)
 _ENDED.next = [None]
+
+
+class _AskedSeqs(dict):
+    """``PythonRunner.seqs`` under ``TERRA_CHECK``: asking for the pass of a step outside
+    ``read`` (which lanes do not note) is a bug, not a stale answer."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
+    def get(self, step, default=None):
+        if step not in self.read:
+            raise AssertionError(f"the pass of {step!r} was asked for; lanes do not note it")
+        return super().get(step, default)

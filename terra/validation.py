@@ -184,6 +184,8 @@ class Validation:
 
     def last_of(self, alts):
         """The alternative whose node ran last."""
+        if len(alts) == 1:
+            return alts[0]
         step_of = self.step_of
         seqs = self.seqs
         return max(alts, key=lambda p: seqs.get(step_of[p[0]].owner, -1))
