@@ -157,7 +157,7 @@ def _sources(standins, specs):
 
 
 _MADE = ("tensors", "seqs", "visits", "const_ids", "known", "device", "inferred",
-         "sources_of", "static")  # what ``make`` binds for its lanes
+         "sources_of", "static", "shaped")  # what ``make`` binds for its lanes
 
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "alloc": object.__new__,
@@ -211,14 +211,17 @@ def _source(form):
                          f"a{i}._shape_tuple() if type(a{i}) is ET else np_shape(a{i}), "
                          for i, k in enumerate(kinds))
         code += [f"        shapes = ({shapes.rstrip()})",
-                 "        specs = STEP.node.sigs.get(shapes)  # a trace had these shapes",
-                 "        if specs is None:",
-                 "            specs = inferred.get((STEP, shapes))  # the shape function was asked",
+                 "        sources = shaped.get(shapes)  # this lane's answer for these shapes",
+                 "        if sources is None:",
+                 "            specs = STEP.node.sigs.get(shapes)  # a trace had these shapes",
                  "            if specs is None:",
+                 "                specs = inferred.get((STEP, shapes))  # from the shape function",
+                 "                if specs is None:",
+                 "                    return MISS",
+                 "            sources = [sources_of.get(spec) for spec in specs]",
+                 "            if None in sources:",
                  "                return MISS",
-                 "        sources = [sources_of.get(spec) for spec in specs]",
-                 "        if None in sources:",
-                 "            return MISS"]
+                 "            shaped[shapes] = sources"]
     code.append("        # matched: from here on, what the general path does once checks passed")
     for i, (kind, reread, flag) in enumerate(kinds):
         if reread:  # for the slots reading the input again
@@ -245,6 +248,7 @@ def _source(form):
         "    const_ids, known, device = memo.const_ids, memo.known, runner.standins.device",
         "    inferred, sources_of = runner.standins.inferred, runner.standins.sources",
         "    static = STEP.static",
+        "    shaped = {}  # input shapes -> the stand-ins' sources (a plan's answer never changes)",
         "",
         f"    def follow(args, {', '.join(f'{v}={v}' for v in bound)}):",
         *code, "", "    return follow", ""])
@@ -321,19 +325,19 @@ def _outputs(n_out, shaped, one, fetch, noted, logged):
     """The lines after a lane's checks: the stand-ins and their entries, the log record of
     the op with its ``logged`` inputs (names), the move (the step's pass ``noted`` where
     it is ever asked for: ``PythonRunner.seq_read``), the results. An op of one output (its
-    spec known) is logged as its entry, whose fields are set inline; others as a
-    ``LoggedOp``."""
+    spec known or looked up by shapes) is logged as its entry, whose fields are set inline;
+    others as a ``LoggedOp``."""
     code = ["        seq = runner.seq"]
     # a step's position in its fetch channels; 0 where it has none (PythonRunner._visit)
     visit = "visit" if fetch else "0"
     if fetch:
         code.append("        visit = visits.get(STEP, 0)")
     inputs = "".join(f"{name}, " for name in logged)
-    if n_out == 1 and not shaped:
+    if n_out == 1:
         fields = {"runner": "runner", "iteration": "it", "step": "STEP", "out": "0",
                   "value": "static[0]", "visit": visit, "seq": "seq",
                   "stopped": "stopped[0]", "inputs": f"({inputs})"}
-        code += ["        dummy, spare = SRC0",
+        code += [f"        dummy, spare = {'sources[0]' if shaped else 'SRC0'}",
                  "        s = spare.pop() if spare else dummy._copy_to_device(device)",
                  "        e = alloc(Entry)"]
         code += [f"        e.{name} = {fields[name]}" for name in Entry.__slots__]
