@@ -157,7 +157,7 @@ def _sources(standins, specs):
 
 
 _MADE = ("tensors", "seqs", "visits", "const_ids", "known", "device", "inferred",
-         "sources_of", "static", "shaped")  # what ``make`` binds for its lanes
+         "sources_of", "static", "shaped", "VALUE0", "DUMMY0", "SPARE0")  # ``make``'s names
 
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "alloc": object.__new__,
@@ -248,6 +248,9 @@ def _source(form):
         "    const_ids, known, device = memo.const_ids, memo.known, runner.standins.device",
         "    inferred, sources_of = runner.standins.inferred, runner.standins.sources",
         "    static = STEP.static",
+        # one output: its value known at build time, and (not shaped) its dummy and spares
+        *(["    VALUE0 = static[0]"] if n_out == 1 else []),
+        *(["    DUMMY0, SPARE0 = SRC0"] if n_out == 1 and not shaped else []),
         "    shaped = {}  # input shapes -> the stand-ins' sources (a plan's answer never changes)",
         "",
         f"    def follow(args, {', '.join(f'{v}={v}' for v in bound)}):",
@@ -335,15 +338,17 @@ def _outputs(n_out, shaped, one, fetch, noted, logged):
     inputs = "".join(f"{name}, " for name in logged)
     if n_out == 1:
         fields = {"runner": "runner", "iteration": "it", "step": "STEP", "out": "0",
-                  "value": "static[0]", "visit": visit, "seq": "seq",
+                  "value": "VALUE0", "visit": visit, "seq": "seq",
                   "stopped": "stopped[0]", "inputs": f"({inputs})"}
-        code += [f"        dummy, spare = {'sources[0]' if shaped else 'SRC0'}",
-                 "        s = spare.pop() if spare else dummy._copy_to_device(device)",
+        dummy, spare = ("dummy", "spare") if shaped else ("DUMMY0", "SPARE0")
+        if shaped:
+            code.append("        dummy, spare = sources[0]")
+        code += [f"        s = {spare}.pop() if {spare} else {dummy}._copy_to_device(device)",
                  "        e = alloc(Entry)"]
         code += [f"        e.{name} = {fields[name]}" for name in Entry.__slots__]
         code += ["        tensors[s._id] = e",
                  "        handed = it.entries",
-                 "        handed += (e, s, spare)",
+                 f"        handed += (e, s, {spare})",
                  "        it.log.append(e)"]
         outs, first = "[s]", "s"
     else:
