@@ -130,6 +130,8 @@ class PythonRunner(TapeEvents, RegionSkips):
         self.marked = {}
         # a step -> the lanes.Lane into its one successor, or False (the general path only)
         self.lanes = {}
+        # a step -> the region_lanes.RegionLane into the region call after it, or None
+        self.region_lanes = {}
         # the inputs external values are read again from (a "same" slot's alternatives)
         self.reread = {alt for step in graph.steps.values() for slot in step.slots
                        if slot.kind is SlotKind.SAME for alt in slot.alts}

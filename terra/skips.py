@@ -11,9 +11,10 @@ steps selects a case, fetches or ends the path, passing it is one sweep over its
 import numpy as np
 from tensorflow.python.framework import ops
 
-from terra import path
+from terra import path, region_lanes
 from terra.divergence import Divergence, GraphFailed, OffPath
 from terra.fallback import LoggedMark, LoggedSkip
+from terra.lanes import MISS
 from terra.nodes import FUNCTION_TOKEN, NodeKind, SlotKind
 
 _EagerTensor = ops.EagerTensor
@@ -29,8 +30,8 @@ class Skip:
     [(output, position)]), and whether their shapes are ``fixed`` (the recorded ones, for
     the one input shape signature the traces had; else they are learned per signature)."""
 
-    __slots__ = ("steps", "sweep", "joins", "returned", "n_returned", "feeds", "fixed",
-                 "fetched", "dynamic")
+    __slots__ = ("steps", "sweep", "joins", "returned", "n_returned", "by_position", "feeds",
+                 "fixed", "fetched", "dynamic")
 
     def __init__(self, call, steps, step_of):
         self.steps = steps
@@ -49,6 +50,10 @@ class Skip:
             if node in tainted:
                 self.fetched.add(position)
         self.n_returned = len(end.slots)
+        self.by_position = [None] * self.n_returned  # position -> (step, output)
+        for s, outs in self.returned.items():
+            for out, position in outs:
+                self.by_position[position] = (s, out)
         # the inputs of its ops Python feeds other than the call's arguments: values a
         # layer's Python computed, learned per input shapes
         args = path.argument_reads(call)
@@ -98,6 +103,12 @@ class RegionSkips:
         these input shapes, feed the arguments its ops read, move past its ``return`` mark
         and return (the call's output template, stand-ins for the tensors it returned); the
         layer's Python is then not run at all. Returns False if it is not skipped."""
+        cur = self.cur
+        lane = self.region_lanes.get(cur, False)  # False: not built yet
+        if lane:  # skipped here before: its lane, if the call is alike (else MISS)
+            result = lane(attrs, tensors, stopped, ints)
+            if result is not MISS:
+                return result
         it = self.it
         n = len(attrs)
         step = self._expect(NodeKind.MARK, "call", lambda s: s.attrs[:n] == attrs)
@@ -150,6 +161,12 @@ class RegionSkips:
             raise
         finally:
             logged.outputs = [self.tensors[x._id] for x in flat if x is not None]
+        if lane is False:
+            lane = self.region_lanes[cur] = region_lanes.build(self, cur, step, attrs, skip)
+        if lane and not learned.feeds:  # the next such call takes the lane
+            specs = learned.specs
+            lane.learn(key, [(s, out, specs[position] if specs else s.node.out_specs[out])
+                             for position, (s, out) in enumerate(skip.by_position)])
         return result
 
     def learn(self, learn, template, returned):
