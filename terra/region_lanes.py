@@ -25,6 +25,8 @@ from terra.nodes import SlotKind
 from terra.standins import Entry
 
 _EagerTensor = ops.EagerTensor
+_shape_tuple = _EagerTensor._shape_tuple
+_alloc = object.__new__
 
 
 class RegionLane:
@@ -69,7 +71,7 @@ class RegionLane:
             if e is None or e.iteration is not it or e.step is not producer or e.out != out:
                 return MISS
             inputs.append(e)
-        key = tuple([t._shape_tuple() for t in tensors])
+        key = tuple(map(_shape_tuple, tensors))
         returned = self.known.get(key if ints is None else (key, ints))
         if returned is None:
             return MISS
@@ -78,7 +80,14 @@ class RegionLane:
         flat, entries, handed = [], [], it.entries
         for s, out, (dummy, spare) in returned:  # as StandIns.make, after the call's move
             standin = spare.pop() if spare else dummy._copy_to_device(runner.standins.device)
-            e = Entry(runner, it, s, out, s.static[out], 0, seq + 1)
+            e = _alloc(Entry)  # Entry(runner, it, s, out, s.static[out], 0, seq + 1), inline
+            e.runner = runner
+            e.iteration = it
+            e.step = s
+            e.out = out
+            e.value = s.static[out]
+            e.visit = 0
+            e.seq = seq + 1
             table[standin._id] = e
             handed += (e, standin, spare)
             flat.append(standin)
