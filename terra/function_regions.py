@@ -125,15 +125,17 @@ def _leaf(x, tensors, ints):
         return "i"
     if kind is str or x is None:
         return x
+    if kind is slice:  # its bounds: mostly None, no call for those
+        start, stop, step = x.start, x.stop, x.step
+        return ("slice", start if start is None else _leaf(start, tensors, ints),
+                stop if stop is None else _leaf(stop, tensors, ints),
+                step if step is None else _leaf(step, tensors, ints))
+    if kind is tuple or kind is list:
+        return (kind.__name__, tuple([_leaf(v, tensors, ints) for v in x]))
     if kind is bool or kind is float:  # not equal to an int of the same value as a key
         return (kind.__name__, x)
     if x is Ellipsis:
         return ("...",)
-    if kind is slice:
-        return ("slice", _leaf(x.start, tensors, ints), _leaf(x.stop, tensors, ints),
-                _leaf(x.step, tensors, ints))
-    if kind is tuple or kind is list:
-        return (kind.__name__, tuple([_leaf(v, tensors, ints) for v in x]))
     if isinstance(x, np.integer):
         ints.append(x.item())
         return ("np", x.dtype.str)
