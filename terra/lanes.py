@@ -157,7 +157,7 @@ def _sources(standins, specs):
 
 
 _MADE = ("tensors", "seqs", "visits", "const_ids", "known", "device", "inferred",
-         "sources_of", "static", "shaped", "VALUE0", "DUMMY0", "SPARE0")  # ``make``'s names
+         "sources_of", "static", "by_shapes", "VALUE0", "DUMMY0", "SPARE0")  # ``make``'s names
 
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "alloc": object.__new__,
@@ -211,7 +211,7 @@ def _source(form):
                          f"a{i}._shape_tuple() if type(a{i}) is ET else np_shape(a{i}), "
                          for i, k in enumerate(kinds))
         code += [f"        shapes = ({shapes.rstrip()})",
-                 "        sources = shaped.get(shapes)  # this lane's answer for these shapes",
+                 "        sources = by_shapes.get(shapes)  # this lane's answer for these shapes",
                  "        if sources is None:",
                  "            specs = STEP.node.sigs.get(shapes)  # a trace had these shapes",
                  "            if specs is None:",
@@ -221,7 +221,7 @@ def _source(form):
                  "            sources = [sources_of.get(spec) for spec in specs]",
                  "            if None in sources:",
                  "                return MISS",
-                 "            shaped[shapes] = sources"]
+                 "            by_shapes[shapes] = sources"]
     code.append("        # matched: from here on, what the general path does once checks passed")
     for i, (kind, reread, flag) in enumerate(kinds):
         if reread:  # for the slots reading the input again
@@ -251,7 +251,7 @@ def _source(form):
         # one output: its value known at build time, and (not shaped) its dummy and spares
         *(["    VALUE0 = static[0]"] if n_out == 1 else []),
         *(["    DUMMY0, SPARE0 = SRC0"] if n_out == 1 and not shaped else []),
-        "    shaped = {}  # input shapes -> the stand-ins' sources (a plan's answer never changes)",
+        "    by_shapes = {}  # input shapes -> the stand-ins' sources (the plan's answer, fixed)",
         "",
         f"    def follow(args, {', '.join(f'{v}={v}' for v in bound)}):",
         *code, "", "    return follow", ""])

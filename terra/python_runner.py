@@ -130,7 +130,8 @@ class PythonRunner(TapeEvents, RegionSkips):
         self.marked = {}
         # a step -> the lanes.Lane into its one successor, or False (the general path only)
         self.lanes = {}
-        # a step -> the region_lanes.RegionLane into the region call after it, or None
+        # a step -> the region_lanes.RegionLane into the region call after it, or None (the
+        # general path only); a step not in it has had no region call skipped after it yet
         self.region_lanes = {}
         # the inputs external values are read again from (a "same" slot's alternatives)
         self.reread = {alt for step in graph.steps.values() for slot in step.slots

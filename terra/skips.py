@@ -102,7 +102,8 @@ class RegionSkips:
         and, if the plan runs the region straight through (``path.skippable_layer``) for
         these input shapes, feed the arguments its ops read, move past its ``return`` mark
         and return (the call's output template, stand-ins for the tensors it returned); the
-        layer's Python is then not run at all. Returns False if it is not skipped."""
+        layer's Python is then not run at all. Returns False if it is not skipped. A call
+        skipped here before, alike, takes its lane instead (``terra.region_lanes``)."""
         cur = self.cur
         lane = self.region_lanes.get(cur, False)  # False: not built yet
         if lane:  # skipped here before: its lane, if the call is alike (else MISS)
