@@ -47,12 +47,11 @@ import threading
 import types
 import weakref
 
-from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
-from terra import function_regions, runtime
+from terra import function_regions, interception, runtime
 from terra.library_regions import Watch, attributes, changed_names, flatten_call
 from terra.location import in_user_loop, user_location
 from terra.nodes import FUNCTION_TOKEN, ExtRef
@@ -188,7 +187,7 @@ class LayerRegions:
         (None: always true) says whether its later calls may still be skipped, ``after(err)``
         that Terra failed on the way; ``ints``: a function's integer arguments."""
         if rt.phase == "coexecution" and rt.runner.it is not None:
-            stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+            stopped = interception.tapes_stopped[0]  # as a lane reads it: no call into TF
             at = rt.runner.cur
             try:
                 skipped = rt.runner.layer_call(attrs, tensors, stopped, ints)

@@ -241,6 +241,11 @@ def elementwise_shape(op_type, shapes):
     op. Raises Divergence where the shapes do not broadcast."""
     if op_type in opdefs.SAME_SHAPE:
         return shapes[0]
+    if op_type == "Select":  # no broadcast: its branches' shape, where the condition fits it
+        cond, then, other = shapes
+        if then == other and (cond == then or len(cond) == 1 and then[:1] == cond):
+            return then
+        return None  # the shape function decides (and its error)
     if op_type not in opdefs.BROADCAST:
         return None
     try:

@@ -23,7 +23,7 @@ def _attrs(op_type, n):
 def _scratch(op_type, shapes):
     dtype = dtypes.bool if op_type.startswith("Logical") else dtypes.float32
     inputs = [("shape", None, dtype, s) for s in shapes]
-    if op_type == "SelectV2":
+    if op_type in ("Select", "SelectV2"):
         inputs[0] = ("shape", None, dtypes.bool, shapes[0])
     attrs = opdefs.normalize_attrs(op_type, _attrs(op_type, len(shapes)))
     [out] = opdefs.scratch_output_shapes(op_type, attrs, inputs)
@@ -47,3 +47,15 @@ def test_shapes_that_do_not_broadcast_are_a_divergence():
 
 def test_other_ops_are_left_to_the_shape_function():
     assert standins.elementwise_shape("MatMul", ((3, 4), (4, 2))) is None
+
+
+@pytest.mark.parametrize("shapes", [((3, 4), (3, 4), (3, 4)), ((3,), (3, 4), (3, 4)),
+                                    ((5,), (5,), (5,)), ((), (), ())])
+def test_select_has_its_branches_shape_where_the_condition_fits(shapes):
+    assert standins.elementwise_shape("Select", shapes) == _scratch("Select", shapes)
+
+
+@pytest.mark.parametrize("shapes", [((), (3, 4), (3, 4)), ((4,), (3, 4), (3, 4)),
+                                    ((3, 4), (3, 4), (1, 4))])
+def test_select_leaves_other_conditions_to_the_shape_function(shapes):
+    assert standins.elementwise_shape("Select", shapes) is None

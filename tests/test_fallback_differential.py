@@ -146,9 +146,10 @@ def test_replay_pauses_the_tape_where_eager_did():
 
 def test_ops_issued_with_recording_paused_are_replayed_paused():
     """Ops under ``tf.init_scope`` inside the tape (gradient recording paused: the loss's
-    scale is a constant to the gradient) pass along lanes, which note the pause per op; a
-    path change later in the same iteration replays them, paused again, or the gradient
-    would flow through the scale."""
+    scale is a constant to the gradient) pass along lanes, which note the pause per op, and
+    a slice there along its region's lane; a path change later in the same iteration
+    replays them, paused again, or the gradient would flow through the scale and the
+    slice."""
     def program(tape_cls, steps):
         data, model, optimizer, loss_fn = mlp_task(steps)
         losses = []
@@ -159,7 +160,8 @@ def test_ops_issued_with_recording_paused_are_replayed_paused():
                 logits = model(x, training=True)
                 with tf.init_scope():
                     scale = 1.0 + tf.reduce_mean(tf.square(logits))
-                loss = loss_fn(y, logits) * scale
+                    part = logits[:, 1:]  # a skipped region: not on the tape either
+                loss = loss_fn(y, logits) * scale + 1e-2 * tf.reduce_sum(part)
                 if step == CHANGED_STEP:
                     loss += 1e-2 * tf.reduce_sum(tf.square(logits))
             grads = tape.gradient(loss, model.trainable_variables)
