@@ -34,7 +34,7 @@ def answered(monkeypatch):
 
 
 def slicing_program(change):
-    """Slices of a stand-in in a chain of ops, two batch sizes in turn; from ``CHANGE_AT`` on,
+    """Slices of a stand-in in a chain of ops, two batch sizes alternately; from ``CHANGE_AT`` on,
     ``change`` says what differs at the slices."""
 
     def program(tape_cls, steps):
@@ -70,7 +70,7 @@ def test_a_changed_call_leaves_the_region_lane_for_the_general_path(change, answ
 
 def keras_program(tape_cls, steps):
     """A Keras 3 model (Dense, BatchNormalization in training mode) called on a stand-in,
-    batches of two sizes in turn: its call is skipped along a lane (a model called on the
+    batches of two sizes alternately: its call is skipped along a lane (a model called on the
     fed batch itself, or with Dropout, whose seeds are fed, takes the general path)."""
     tf.keras.utils.set_random_seed(3)
     model = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="relu"),
