@@ -26,7 +26,6 @@ from terra.standins import Entry
 
 _EagerTensor = ops.EagerTensor
 _shape_tuple = _EagerTensor._shape_tuple
-_alloc = object.__new__
 
 
 class RegionLane:
@@ -80,14 +79,7 @@ class RegionLane:
         flat, entries, handed = [], [], it.entries
         for s, out, (dummy, spare) in returned:  # as StandIns.make, after the call's move
             standin = spare.pop() if spare else dummy._copy_to_device(runner.standins.device)
-            e = _alloc(Entry)  # Entry(runner, it, s, out, s.static[out], 0, seq + 1), inline
-            e.runner = runner
-            e.iteration = it
-            e.step = s
-            e.out = out
-            e.value = s.static[out]
-            e.visit = 0
-            e.seq = seq + 1
+            e = Entry(runner, it, s, out, s.static[out], 0, seq + 1)
             table[standin._id] = e
             handed += (e, standin, spare)
             flat.append(standin)

@@ -164,7 +164,7 @@ class RegionSkips:
             logged.outputs = [self.tensors[x._id] for x in flat if x is not None]
         if lane is False:
             lane = self.region_lanes[cur] = region_lanes.build(self, cur, step, attrs, skip)
-        if lane and not learned.feeds:  # the next such call takes the lane
+        if lane:  # the next such call takes the lane (a lane's region is fed nothing)
             specs = learned.specs
             lane.learn(key, [(s, out, specs[position] if specs else s.node.out_specs[out])
                              for position, (s, out) in enumerate(skip.by_position)])
