@@ -29,6 +29,7 @@ import numpy as np
 from tensorflow.python.framework import ops
 
 from terra import interception
+from terra.config import config
 from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
 from terra.nodes import NodeKind, SlotKind
@@ -116,7 +117,7 @@ def build(runner, cur, step, info, attrs, plan):
             return False
     form = (info.n_inputs, _spread(info, len(step.slots)), not attrs, tuple(kinds),
             len(step.out_specs), sources is None, plan == "one", step.has_fetch,
-            step in runner.seq_read)
+            step in runner.seq_read, config.check)
     factory, source = _factory(form)
     outs = {f"SRC{k}": s for k, s in enumerate(sources or ())}
     follow = factory(runner=runner, STEP=step, INFO=info, ATTRS=attrs, PLAN=plan,
@@ -151,13 +152,14 @@ def _factory(form):
 
 
 def _sources(standins, specs):
-    """Per spec, its dummy and spares (``StandIns.sources``); None if one is missing."""
+    """Per spec, its dummy, spares (``StandIns.sources``) and shape; None if one is
+    missing."""
     found = [standins.sources.get(spec) for spec in specs]
-    return None if None in found else found
+    return None if None in found else [(*f, spec[0]) for f, spec in zip(found, specs)]
 
 
-_MADE = ("tensors", "seqs", "visits", "const_ids", "known", "device", "inferred",
-         "sources_of", "static", "by_shapes", "VALUE0", "DUMMY0", "SPARE0")  # ``make``'s names
+_MADE = ("tensors", "seqs", "visits", "const_ids", "known", "device", "inferred",  # ``make``'s
+         "sources_of", "static", "by_shapes", "VALUE0", "DUMMY0", "SPARE0", "SHAPE_OUT0")
 
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "alloc": object.__new__,
@@ -175,7 +177,7 @@ def _source(form):
     case (see the module's docstring): the checks of each input (:func:`_input_check`), then
     the stand-ins, the log record and the move (:func:`_outputs`), or :data:`MISS` before
     anything was done."""
-    n, spread, bare, kinds, n_out, shaped, one, fetch, noted = form
+    n, spread, bare, kinds, n_out, shaped, one, fetch, noted, check = form
     names = [f"P{i}, K{i}" if k[0] == _NODE else
              f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, KEY{i}, SCALARS{i}, CID{i}"
              if k[0] == _CONST else
@@ -207,21 +209,7 @@ def _source(form):
     for i, kind in enumerate(kinds):
         code += _input_check(i, *kind)
     if shaped:  # output shapes follow the input shapes: looked up, or the general path
-        shapes = "".join(f"a{i}._shape_tuple(), " if k[0] != _CONST else
-                         f"a{i}._shape_tuple() if type(a{i}) is ET else np_shape(a{i}), "
-                         for i, k in enumerate(kinds))
-        code += [f"        shapes = ({shapes.rstrip()})",
-                 "        sources = by_shapes.get(shapes)  # this lane's answer for these shapes",
-                 "        if sources is None:",
-                 "            specs = STEP.node.sigs.get(shapes)  # a trace had these shapes",
-                 "            if specs is None:",
-                 "                specs = inferred.get((STEP, shapes))  # from the shape function",
-                 "                if specs is None:",
-                 "                    return MISS",
-                 "            sources = [sources_of.get(spec) for spec in specs]",
-                 "            if None in sources:",
-                 "                return MISS",
-                 "            by_shapes[shapes] = sources"]
+        code += _shaped(kinds, n_out, check)
     code.append("        # matched: from here on, what the general path does once checks passed")
     for i, (kind, reread, flag) in enumerate(kinds):
         if reread:  # for the slots reading the input again
@@ -250,8 +238,8 @@ def _source(form):
         "    static = STEP.static",
         # one output: its value known at build time, and (not shaped) its dummy and spares
         *(["    VALUE0 = static[0]"] if n_out == 1 else []),
-        *(["    DUMMY0, SPARE0 = SRC0"] if n_out == 1 and not shaped else []),
-        "    by_shapes = {}  # input shapes -> the stand-ins' sources (the plan's answer, fixed)",
+        *(["    DUMMY0, SPARE0, SHAPE_OUT0 = SRC0"] if n_out == 1 and not shaped else []),
+        "    by_shapes = {}  # varying input shapes -> the stand-ins' sources (fixed answers)",
         "",
         f"    def follow(args, {', '.join(f'{v}={v}' for v in bound)}):",
         *code, "", "    return follow", ""])
@@ -307,7 +295,10 @@ def _input_check(i, kind, reread, flag):
             "                    if src and type(src) is not tuple:  # not 0: -0.0 shares it",
             f"                        SCALARS{i}[src] = type(src)",
             f"                    CID{i}[0] = const_ids[SID{i}] = {a}._id  # it has the value",
-            f"        elif {a} is not LAST{i}[0]:",
+            # a float computed anew each call (``float(n)``) equal to the last one, not zero
+            # (-0.0 == 0.0) and not NaN: the same constant, without its value's key
+            f"        elif {a} is not LAST{i}[0] and not (type({a}) is float and "
+            f"type(LAST{i}[0]) is float and {a} == LAST{i}[0] and {a}):",
             f"            if type({a}) is ndarray and LAST{i}[1] is not None:",
             f"                dtype, shape, data = LAST{i}[1]",
             f"                ok = {a}.dtype is dtype and {a}.shape == shape and "
@@ -324,6 +315,43 @@ def _input_check(i, kind, reread, flag):
             f"                    LAST{i}[1] = ({a}.dtype, key[1], key[2])"]
 
 
+def _shaped(kinds, n_out, check):
+    """The lines that find a shaped lane's ``sources`` (per output: dummy, spares, shape;
+    one output: its triple) for the input shapes, in the lane's memo ``by_shapes``, else as
+    the general path finds its specs (a trace's, or the shape function's, inferred before),
+    or :data:`MISS`. The memo's key has only the shapes that can change once the checks
+    passed: a stand-in's, read from its entry (asking the tensor costs a cache miss in TF's
+    handle), and a fed tensor's of a relaxed shape; a constant's is its value's. Under
+    ``TERRA_CHECK`` an entry's shape is checked against its tensor's."""
+    varying = [f"e{i}.shape" if kind == _NODE else f"a{i}._shape_tuple()"
+               for i, (kind, _, flag) in enumerate(kinds)
+               if kind == _NODE or kind == _FED and flag[0] != "exact"]
+    key = varying[0] if len(varying) == 1 else f"({', '.join(varying)},)" if varying else "None"
+    shapes = "".join(f"e{i}.shape, " if k[0] == _NODE else f"a{i}._shape_tuple(), "
+                     if k[0] != _CONST else
+                     f"a{i}._shape_tuple() if type(a{i}) is ET else np_shape(a{i}), "
+                     for i, k in enumerate(kinds))
+    nodes = [i for i, (kind, _, _) in enumerate(kinds) if kind == _NODE]
+    checked = [f"        if ({''.join(f'e{i}.shape, ' for i in nodes)}) != "
+               f"({''.join(f'a{i}._shape_tuple(), ' for i in nodes)}):",
+               "            raise AssertionError('an entry has another shape than its tensor')"]
+    return [*(checked if check and nodes else []),
+            f"        sources = by_shapes.get({key})  # this lane's answer for these shapes",
+            "        if sources is None:",
+            f"            shapes = ({shapes.rstrip()})",
+            "            specs = STEP.node.sigs.get(shapes)  # a trace had these shapes",
+            "            if specs is None:",
+            "                specs = inferred.get((STEP, shapes))  # from the shape function",
+            "                if specs is None:",
+            "                    return MISS",
+            "            sources = [sources_of.get(spec) for spec in specs]",
+            "            if None in sources:",
+            "                return MISS",
+            "            sources = [(*found, spec[0]) for found, spec in zip(sources, specs)]",
+            *(["            sources = sources[0]  # one output: its triple"] if n_out == 1 else []),
+            f"            by_shapes[{key}] = sources"]
+
+
 def _outputs(n_out, shaped, one, fetch, noted, logged):
     """The lines after a lane's checks: the stand-ins and their entries, the log record of
     the op with its ``logged`` inputs (names), the move (the step's pass ``noted`` where
@@ -338,11 +366,13 @@ def _outputs(n_out, shaped, one, fetch, noted, logged):
     inputs = "".join(f"{name}, " for name in logged)
     if n_out == 1:
         fields = {"runner": "runner", "iteration": "it", "step": "STEP", "out": "0",
-                  "value": "VALUE0", "visit": visit, "seq": "seq",
+                  "value": "VALUE0", "visit": visit, "seq": "seq", "shape": "shape",
                   "stopped": "stopped[0]", "inputs": f"({inputs})"}
         dummy, spare = ("dummy", "spare") if shaped else ("DUMMY0", "SPARE0")
         if shaped:
-            code.append("        dummy, spare = sources[0]")
+            code.append("        dummy, spare, shape = sources")
+        else:
+            fields["shape"] = "SHAPE_OUT0"
         code += [f"        s = {spare}.pop() if {spare} else {dummy}._copy_to_device(device)",
                  "        e = alloc(Entry)"]
         code += [f"        e.{name} = {fields[name]}" for name in Entry.__slots__]
@@ -355,9 +385,9 @@ def _outputs(n_out, shaped, one, fetch, noted, logged):
         sources = "sources" if shaped else f"({''.join(f'SRC{k}, ' for k in range(n_out))})"
         code += ["        outs, entries = [], []",
                  "        handed = it.entries",
-                 f"        for k, (dummy, spare) in enumerate({sources}):",
+                 f"        for k, (dummy, spare, shape) in enumerate({sources}):",
                  "            s = spare.pop() if spare else dummy._copy_to_device(device)",
-                 f"            e = Entry(runner, it, STEP, k, static[k], {visit}, seq)",
+                 f"            e = Entry(runner, it, STEP, k, static[k], {visit}, seq, shape)",
                  "            tensors[s._id] = e",
                  "            handed += (e, s, spare)",
                  "            outs.append(s)",

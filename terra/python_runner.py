@@ -303,6 +303,7 @@ class PythonRunner(TapeEvents, RegionSkips):
         """Fetch an output whose shape Python must see, and hand out the real tensor in
         place of the stand-in: registered, so later ops still know its producer."""
         value = self.value_of(e)
+        e.shape = value._shape_tuple()  # a dynamic step's: not its stand-in's
         self.tensors[value._id] = e
         self.it.entries += (e, value, None)
         return value
@@ -329,7 +330,7 @@ class PythonRunner(TapeEvents, RegionSkips):
                                       f"shape or dtype", result)
         visit, seq = self.visits.get(step, 0), self.seqs[step]
         for k, t in enumerate(flat_outs):
-            e = Entry(self, it, step, k, t, visit, seq)
+            e = Entry(self, it, step, k, t, visit, seq, t._shape_tuple())
             self.tensors[t._id] = e
             it.entries += (e, t, None)
             channel = step.out_feed[k]

@@ -19,20 +19,20 @@ skipped, never whether it is.
 
 from tensorflow.python.framework import ops
 
+from terra.config import config
 from terra.fallback import LoggedSkip
 from terra.lanes import MISS
 from terra.nodes import SlotKind
 from terra.standins import Entry
 
 _EagerTensor = ops.EagerTensor
-_shape_tuple = _EagerTensor._shape_tuple
 
 
 class RegionLane:
     """The call mark ``call`` after the step the lane is kept for, skipped whole:
     ``lane(attrs, tensors, stopped, ints)`` is ``layer_call``'s result, or :data:`MISS`.
     ``known``: per shape key (as ``layer_call`` makes it), per tensor the call returned, its
-    step, output and (dummy, spares)."""
+    step, output, (dummy, spares) and shape."""
 
     __slots__ = ("runner", "call", "attrs", "producers", "steps", "known", "noted",
                  "template")
@@ -54,8 +54,8 @@ class RegionLane:
         """Skip calls of input shape ``key`` from now on, returning ``returned``: per
         position, the (step, output, spec) of the stand-in the general path made."""
         sources = self.runner.standins.sources
-        made = [(s, out, sources.get(spec)) for s, out, spec in returned]
-        if all(source is not None for _, _, source in made):
+        made = [(s, out, sources.get(spec), spec[0]) for s, out, spec in returned]
+        if all(source is not None for _, _, source, _ in made):
             self.known[key] = tuple(made)
 
     def __call__(self, attrs, tensors, stopped, ints):
@@ -70,16 +70,18 @@ class RegionLane:
             if e is None or e.iteration is not it or e.step is not producer or e.out != out:
                 return MISS
             inputs.append(e)
-        key = tuple(map(_shape_tuple, tensors))
+        key = tuple([e.shape for e in inputs])
+        if config.check and key != tuple(t._shape_tuple() for t in tensors):
+            raise AssertionError("an entry has another shape than its tensor")
         returned = self.known.get(key if ints is None else (key, ints))
         if returned is None:
             return MISS
         # matched: what layer_call and _pass do once the checks passed
         seq = runner.seq
         flat, entries, handed = [], [], it.entries
-        for s, out, (dummy, spare) in returned:  # as StandIns.make, after the call's move
+        for s, out, (dummy, spare), shape in returned:  # as StandIns.make, after the move
             standin = spare.pop() if spare else dummy._copy_to_device(runner.standins.device)
-            e = Entry(runner, it, s, out, s.static[out], 0, seq + 1)
+            e = Entry(runner, it, s, out, s.static[out], 0, seq + 1, shape)
             table[standin._id] = e
             handed += (e, standin, spare)
             flat.append(standin)

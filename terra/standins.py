@@ -51,17 +51,19 @@ def _untouched(shape, dt):
 class Entry:
     """Hook-table entry of a tensor the PythonRunner handed to Python. ``visit``: its
     position in the step's fetch channels; ``seq``: the runner's count of matched steps when
-    the step that made it was matched (a loop's body step is matched once per trip).
+    the step that made it was matched (a loop's body step is matched once per trip);
+    ``shape``: the shape of the tensor it is the entry of, which a lane reads where asking
+    the tensor (TF's handle, out of the caches by then) took half its time.
 
     The entry a lane makes for an op of one output is also that op's record in the
     iteration's log, in place of a ``fallback.LoggedOp``: it then has the record's
     ``stopped`` and ``inputs``, and is its one output. One object per op where two were;
     the lane sets the fields inline (``terra.lanes``), a call less."""
 
-    __slots__ = ("runner", "iteration", "step", "out", "value", "visit", "seq",
+    __slots__ = ("runner", "iteration", "step", "out", "value", "visit", "seq", "shape",
                  "stopped", "inputs")
 
-    def __init__(self, runner, iteration, step, out, value, visit, seq):
+    def __init__(self, runner, iteration, step, out, value, visit, seq, shape):
         # one statement each: a lane makes one an op, and a packed assignment costs 15% more
         self.runner = runner
         self.iteration = iteration
@@ -70,6 +72,7 @@ class Entry:
         self.value = value  # the real EagerTensor once known
         self.visit = visit
         self.seq = seq
+        self.shape = shape
 
     @property
     def node(self):
@@ -122,7 +125,7 @@ class StandIns:
         for k, spec in enumerate(specs, start):
             dummy, spare = sources.get(spec) or self._source(spec)
             s = spare.pop() if spare else dummy._copy_to_device(device)
-            e = Entry(runner, it, step, k, step.static[k], visit, seq)
+            e = Entry(runner, it, step, k, step.static[k], visit, seq, spec[0])
             tensors[s._id] = e
             escaping += (e, s, spare)
             outs.append(s)
@@ -151,7 +154,7 @@ class StandIns:
             raise RaisedInPython(error) from None
         escaping, entries = it.entries, []
         for k, v in enumerate(values):
-            e = Entry(self.runner, it, step, k, v, visit, seq)
+            e = Entry(self.runner, it, step, k, v, visit, seq, v._shape_tuple())
             tensors[v._id] = e
             escaping += (e, v, None)
             entries.append(e)
