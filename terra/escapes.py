@@ -85,6 +85,21 @@ def unfetchable(held):
     return any(e.value is None and e.step.fetch[e.out] is None for e in held)
 
 
+def holds_unfetchable(it):
+    """Whether Python holds a stand-in of the iteration ``it`` that has no value and that the
+    graph does not return, found without sweeping (the iteration goes on): an entry a
+    dropped stand-in still references counts as held."""
+    entries = it.entries
+    ours = _closure_refs(it.customs) if it.customs else None
+    for i in range(0, len(entries), 3):
+        e = entries[i]
+        if e.value is None and e.step.fetch[e.out] is None:
+            t = entries[i + 1]
+            if sys.getrefcount(t) > _BASE_REFS + (ours.get(id(t), 0) if ours else 0):
+                return True
+    return False
+
+
 def _held(entries, i, tensors, ours, pool):
     """Whether Python still holds the stand-in of the entry at ``entries[i]`` (the entry,
     its stand-in and its spares, flat; ``ours``: the references Terra holds elsewhere, by

@@ -141,6 +141,7 @@ class PythonRunner(TapeEvents, RegionSkips):
         self.standins = StandIns(self, tensors)
         self.waiting = Waiting(start, watchdog, timeout)
         self.verifying = lambda: True  # the runtime's: verify mode replays this iteration
+        self.end_here = lambda: False  # the runtime's: close the iteration, if it may end
         self.snapshots = 0  # taken at commit points
 
     @property
@@ -361,6 +362,15 @@ class PythonRunner(TapeEvents, RegionSkips):
             raise Divergence(f"new fetch point: value of {step.op_type} {step.node!r} "
                              f"({where(step)})", "new fetch point")
         if id(channel) in self.graph.late:  # filled after the commit gate: let it write
+            if self.cur.next == [None] and not self.verifying() and \
+                    not escapes.holds_unfetchable(it) and self.end_here():
+                # the whole path matched and no fallback can come (as at the path's end):
+                # the iteration was closed, its writes let through without a snapshot, and
+                # finish() gave the entries Python holds their values
+                if e.value is None:
+                    raise IterationAborted(f"the value of {step.op_type} at {where(step)} "
+                                           "is unavailable: its iteration was left")
+                return e.value
             self._commit(True)
         e.value = self.waiting.value(channel, e.visit, it.job, step)
         return e.value

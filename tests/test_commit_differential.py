@@ -120,3 +120,36 @@ def test_variables_written_before_the_gate_are_restored_too():
     outcome = assert_same_as_eager(dropout_program, STEPS, expect_fallbacks=1, max_traces=4,
                                    min_coexecuted=3)
     assert outcome.stats.snapshots == 0, outcome.report()  # the small one is not counted
+
+
+def read_after_update_program(kept):
+    """Every step reads a value the graph computes after its gate (the learning rate a
+    schedule set after the update, and a running total), once the whole path was matched and
+    with nothing held that the graph does not return: the iteration ends there, its writes
+    let through without a snapshot. ``kept``: Python also keeps the losses past their
+    iterations (returned by the graph), and reads them at the end."""
+
+    def program(tape_cls, steps):
+        data, model, optimizer, loss_fn = mlp_task(steps)
+        total = tf.Variable(0.0)
+        losses, extras = [], []
+        for step in range(steps):
+            x, y = batch(data, step, 16)
+            with tape_cls() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            total.assign_add(loss)
+            optimizer.learning_rate.assign(1e-3 / (1.0 + 0.1 * tf.sqrt(total)))
+            extras.append(float(optimizer.learning_rate.numpy()))  # after the gate
+            losses.append(loss if kept else float(loss))
+        losses = [float(loss) for loss in losses]
+        return {"losses": losses, "extras": extras, "total": total, **state(model, optimizer)}
+
+    return program
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_read_after_the_update_at_the_paths_end_ends_the_iteration(kept):
+    outcome = assert_same_as_eager(read_after_update_program(kept), STEPS, min_coexecuted=5)
+    assert outcome.stats.snapshots == 0, outcome.report()
