@@ -386,3 +386,6 @@ BROADCAST = frozenset({
     "SquaredDifference", "FloorDiv", "FloorMod", "Less", "LessEqual", "Greater",
     "GreaterEqual", "LogicalAnd", "LogicalOr", "Atan2", "SelectV2",
 })
+# Reductions: their input's shape without the axes their second input names (``keep_dims``:
+# 1 in their place); ``ArgMax``/``ArgMin`` take one axis and keep no dimension
+REDUCTIONS = frozenset({"Sum", "Prod", "Max", "Min", "Mean", "All", "Any", "ArgMax", "ArgMin"})

@@ -204,8 +204,11 @@ def inferred_specs(step, flat, key, tensors, memo):
     inputs Python has (a ``Reshape``'s target shape it computed, or a local step's): where
     such a value is fed or computed, the specs are kept for it, in ``memo`` (specs by
     ``(step, key, values)``). Where the shape function leaves a dimension unknown, a
-    Divergence: only a trace can tell. An elementwise op's shape is the broadcast of its
-    inputs' (:func:`elementwise_shape`), without the scratch graph (~0.3 ms an op)."""
+    Divergence: only a trace can tell. The scratch graph costs ~0.3 ms an op, so Python
+    answers where it can: an elementwise op's shape is the broadcast of its inputs'
+    (:func:`elementwise_shape`), and a reduction's follows from its axes where Python has
+    them (:func:`reduction_shape`; a sum over a masked tensor meets a new row count every
+    few steps): for every call where they are a constant, whatever its input's value."""
     shape = elementwise_shape(step.op_type, key)
     if shape is not None:
         return ((shape, step.out_specs[0][1]),), None
@@ -222,6 +225,11 @@ def inferred_specs(step, flat, key, tensors, memo):
                                        for a, k in zip(flat, known))
     if values is not None and (step, key, values) in memo:
         return memo[(step, key, values)], values
+    if step.op_type in opdefs.REDUCTIONS and known[1]:  # its axes: Python's
+        shape = reduction_shape(step.op_type, step.attrs, key[0], flat[1]._numpy_internal())
+        if shape is not None:  # else the axes are wrong: the shape function's error
+            constant = step.slots[1].kind is SlotKind.CONST  # whatever the input's value
+            return ((shape, step.out_specs[0][1]),), None if constant else values
     try:
         outputs = opdefs.scratch_output_shapes(step.op_type, step.attrs, [
             ("value", a._numpy_internal(), a.dtype, None) if k else
@@ -256,6 +264,29 @@ def elementwise_shape(op_type, shapes):
     except ValueError as e:
         raise Divergence(f"{op_type} called with new input shapes {shapes}: {e}",
                          "shape change") from None
+
+
+def reduction_shape(op_type, attrs, shape, axes):
+    """The output shape of reduction ``op_type`` (``opdefs.REDUCTIONS``, ``attrs`` its
+    normalized ones) on an input of ``shape`` over the array ``axes``, as its shape function
+    gives it: ``shape`` without the dimensions reduced (1 in their place where
+    ``keep_dims``); an axis named twice is reduced once, no axis reduces nothing. ``ArgMax``
+    and ``ArgMin`` take one axis (a scalar), and give a scalar for an input of rank 0 or 1,
+    whatever the axis. None where the shape function rejects the axes (out of range, or of
+    another rank), for its error."""
+    arg = op_type in ("ArgMax", "ArgMin")
+    if axes.ndim > (0 if arg else 1):
+        return None
+    rank = len(shape)
+    if arg and rank <= 1:
+        return ()
+    axes = axes.ravel().tolist()
+    if not all(-rank <= a < rank for a in axes):
+        return None
+    reduced = {a % rank for a in axes}
+    keep = not arg and dict(attrs)["keep_dims"]
+    return tuple(1 if i in reduced else d for i, d in enumerate(shape)
+                 if keep or i not in reduced)
 
 
 def leaves(results, tensors):
