@@ -24,6 +24,7 @@ Lanes are the runner's own table, like its other memos: the plan is only read.
 """
 
 import re
+import types
 
 import numpy as np
 from tensorflow.python.framework import ops
@@ -159,11 +160,16 @@ def _sources(standins, specs):
 
 
 _MADE = ("tensors", "seqs", "visits", "const_ids", "known", "device", "inferred",  # ``make``'s
-         "sources_of", "static", "by_shapes", "VALUE0", "DUMMY0", "SPARE0", "SHAPE_OUT0")
+         "sources_of", "static", "by_shapes")
+
+# what only a first sight (a constant's value compared, a shape looked up) or a missing spare
+# (a copy of the dummy) reads: this lane's in ``COLD`` (a namespace), the globals as they are
+_COLD = re.compile(r"(SHAPE|BYTES|SID|DUMMY)\d+|const_ids|known|inferred|sources_of|device")
+_COLD_GLOBALS = frozenset({"value_key", "IMMUTABLE", "ndarray", "np_shape", "signature_part"})
 
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "alloc": object.__new__,
-    "LoggedOp": LoggedOp, "new": tuple.__new__,
+    "LoggedOp": LoggedOp, "new": tuple.__new__, "Cold": types.SimpleNamespace,
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "stopped": interception.tapes_stopped,
     "np_shape": np.shape, "converted": interception.converted, "shape_ok": shape_ok,
@@ -224,11 +230,21 @@ def _source(form):
                      f"            it.signature.append(signature_part(a{i}, STEP.op_type, {i}))"]
     logged = [f"e{i}" if k[0] == _NODE else f"a{i}" for i, k in enumerate(kinds)]
     code += _outputs(n_out, shaped, one, fetch, noted, logged)
-    # Every name the body reads is bound as a default: read from the call's own frame, not
-    # through a closure's cells or the globals (a lane's values sit together in one tuple,
-    # the fewer of the cache lines the user's Python evicts between two ops: -10% an op).
+    # The names the common case reads are bound as defaults: read from the call's own
+    # frame, not through a closure's cells or the globals (a lane's values sit together in
+    # one tuple, the fewer of the cache lines the user's Python evicts between two ops: -10%
+    # an op). But a default is copied into the frame at every call, one cache line each:
+    # those only a first sight or a missing spare reads stay globals, or this lane's in
+    # one namespace, ``COLD``, read where they are.
     read = set(re.findall(r"[A-Za-z_]\w*", "\n".join(code)))
-    bound = [v for v in (*params.split(", "), *_MADE, *_GLOBALS) if v in read]
+    made = (*params.split(", "), *_MADE, *(f"{v}{k}" for k in range(n_out)
+                                          for v in ("VALUE", "DUMMY", "SPARE", "SHAPE_OUT")))
+    cold = [v for v in made if v in read and _COLD.fullmatch(v)]
+    bound = [v for v in (*made, *_GLOBALS)
+             if v in read and v not in cold and v not in _COLD_GLOBALS] + ["COLD"] * bool(cold)
+    if cold:
+        names = re.compile(rf"\b({'|'.join(cold)})\b")
+        code = [names.sub(r"COLD.\1", line) for line in code]
     return "\n".join([
         f"def make({params}):",
         "    tensors, memo, seqs, visits = runner.tensors, runner.checks, runner.seqs, "
@@ -236,10 +252,11 @@ def _source(form):
         "    const_ids, known, device = memo.const_ids, memo.known, runner.standins.device",
         "    inferred, sources_of = runner.standins.inferred, runner.standins.sources",
         "    static = STEP.static",
-        # one output: its value known at build time, and (not shaped) its dummy and spares
-        *(["    VALUE0 = static[0]"] if n_out == 1 else []),
-        *(["    DUMMY0, SPARE0, SHAPE_OUT0 = SRC0"] if n_out == 1 and not shaped else []),
+        # per output, its value known at build time, and (not shaped) its dummy and spares
+        *[f"    VALUE{k} = static[{k}]" for k in range(n_out)],
+        *[f"    DUMMY{k}, SPARE{k}, SHAPE_OUT{k} = SRC{k}" for k in range(0 if shaped else n_out)],
         "    by_shapes = {}  # varying input shapes -> the stand-ins' sources (fixed answers)",
+        *([f"    COLD = Cold({', '.join(f'{v}={v}' for v in cold)})"] if cold else []),
         "",
         f"    def follow(args, {', '.join(f'{v}={v}' for v in bound)}):",
         *code, "", "    return follow", ""])
@@ -353,54 +370,47 @@ def _shaped(kinds, n_out, check):
 
 
 def _outputs(n_out, shaped, one, fetch, noted, logged):
-    """The lines after a lane's checks: the stand-ins and their entries, the log record of
-    the op with its ``logged`` inputs (names), the move (the step's pass ``noted`` where
-    it is ever asked for: ``PythonRunner.seq_read``), the results. An op of one output (its
-    spec known or looked up by shapes) is logged as its entry, whose fields are set inline;
-    others as a ``LoggedOp``."""
+    """The lines after a lane's checks: the stand-ins and their entries (fields set inline,
+    output by output), the log record of the op with its ``logged`` inputs (names), the move
+    (the step's pass ``noted`` where it is ever asked for: ``PythonRunner.seq_read``), the
+    results. An op of one output is logged as its entry; others as a ``LoggedOp``."""
     code = ["        seq = runner.seq"]
     # a step's position in its fetch channels; 0 where it has none (PythonRunner._visit)
     visit = "visit" if fetch else "0"
     if fetch:
         code.append("        visit = visits.get(STEP, 0)")
     inputs = "".join(f"{name}, " for name in logged)
-    if n_out == 1:
-        fields = {"runner": "runner", "iteration": "it", "step": "STEP", "out": "0",
-                  "value": "VALUE0", "visit": visit, "seq": "seq", "shape": "shape",
-                  "stopped": "stopped[0]", "inputs": f"({inputs})"}
-        dummy, spare = ("dummy", "spare") if shaped else ("DUMMY0", "SPARE0")
-        if shaped:
-            code.append("        dummy, spare, shape = sources")
+    handed = ""
+    for k in range(n_out):
+        if shaped:  # looked up: per output its dummy, spares and shape
+            dummy, spare, shape = f"dummy{k}", f"spare{k}", f"shape{k}"
+            code.append(f"        {dummy}, {spare}, {shape} = sources"
+                        + ("" if n_out == 1 else f"[{k}]"))
         else:
-            fields["shape"] = "SHAPE_OUT0"
-        code += [f"        s = {spare}.pop() if {spare} else {dummy}._copy_to_device(device)",
-                 "        e = alloc(Entry)"]
-        code += [f"        e.{name} = {fields[name]}" for name in Entry.__slots__]
-        code += ["        tensors[s._id] = e",
-                 "        handed = it.entries",
-                 f"        handed += (e, s, {spare})",
-                 "        it.log.append(e)"]
-        outs, first = "[s]", "s"
-    else:
-        sources = "sources" if shaped else f"({''.join(f'SRC{k}, ' for k in range(n_out))})"
-        code += ["        outs, entries = [], []",
-                 "        handed = it.entries",
-                 f"        for k, (dummy, spare, shape) in enumerate({sources}):",
-                 "            s = spare.pop() if spare else dummy._copy_to_device(device)",
-                 f"            e = Entry(runner, it, STEP, k, static[k], {visit}, seq, shape)",
-                 "            tensors[s._id] = e",
-                 "            handed += (e, s, spare)",
-                 "            outs.append(s)",
-                 "            entries.append(e)",
-                 # LoggedOp's flat layout, written out: one tuple, no lists
-                 "        it.log.append(new(LoggedOp, (STEP, stopped[0], len(entries), "
-                 f"*entries, {inputs})))"]
-        outs, first = "outs", "outs[0]"
+            dummy, spare, shape = f"DUMMY{k}", f"SPARE{k}", f"SHAPE_OUT{k}"
+        fields = {"runner": "runner", "iteration": "it", "step": "STEP", "out": str(k),
+                  "value": f"VALUE{k}", "visit": visit, "seq": "seq", "shape": shape}
+        if n_out == 1:  # the entry is the op's record too
+            fields.update(stopped="stopped[0]", inputs=f"({inputs})")
+        code += [f"        s{k} = {spare}.pop() if {spare} else {dummy}._copy_to_device(device)",
+                 f"        out{k} = alloc(Entry)"]
+        code += [f"        out{k}.{name} = {fields[name]}" for name in Entry.__slots__
+                 if name in fields]
+        code.append(f"        tensors[s{k}._id] = out{k}")
+        handed += f"out{k}, s{k}, {spare}, "
+    entries = "".join(f"out{k}, " for k in range(n_out))
+    # LoggedOp's flat layout, written out: one tuple, no lists
+    record = "out0" if n_out == 1 else \
+        f"new(LoggedOp, (STEP, stopped[0], {n_out}, {entries}{inputs}))"
+    code += ["        handed = it.entries",
+             f"        handed += ({handed.rstrip()})",
+             f"        it.log.append({record})"]
+    outs = "[" + ", ".join(f"s{k}" for k in range(n_out)) + "]"
     code.append("        runner.cur = STEP  # and passed, as PythonRunner._move passes it")
     if noted:
         code.append("        seqs[STEP] = seq")
     code.append("        runner.seq = seq + 1")
     if fetch:
         code.append("        runner._visit(STEP)")
-    code.append(f"        return {first}" if one else f"        return pack_fast(PLAN, {outs})")
+    code.append("        return s0" if one else f"        return pack_fast(PLAN, {outs})")
     return code
