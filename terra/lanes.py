@@ -24,7 +24,6 @@ Lanes are the runner's own table, like its other memos: the plan is only read.
 """
 
 import re
-import types
 
 import numpy as np
 from tensorflow.python.framework import ops
@@ -162,14 +161,9 @@ def _sources(standins, specs):
 _MADE = ("tensors", "seqs", "visits", "const_ids", "known", "device", "inferred",  # ``make``'s
          "sources_of", "static", "by_shapes")
 
-# what only a first sight (a constant's value compared, a shape looked up) or a missing spare
-# (a copy of the dummy) reads: this lane's in ``COLD`` (a namespace), the globals as they are
-_COLD = re.compile(r"(SHAPE|BYTES|SID|DUMMY)\d+|const_ids|known|inferred|sources_of|device")
-_COLD_GLOBALS = frozenset({"value_key", "IMMUTABLE", "ndarray", "np_shape", "signature_part"})
-
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "alloc": object.__new__,
-    "LoggedOp": LoggedOp, "new": tuple.__new__, "Cold": types.SimpleNamespace,
+    "LoggedOp": LoggedOp, "new": tuple.__new__,
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "stopped": interception.tapes_stopped,
     "np_shape": np.shape, "converted": interception.converted, "shape_ok": shape_ok,
@@ -230,21 +224,13 @@ def _source(form):
                      f"            it.signature.append(signature_part(a{i}, STEP.op_type, {i}))"]
     logged = [f"e{i}" if k[0] == _NODE else f"a{i}" for i, k in enumerate(kinds)]
     code += _outputs(n_out, shaped, one, fetch, noted, logged)
-    # The names the common case reads are bound as defaults: read from the call's own
-    # frame, not through a closure's cells or the globals (a lane's values sit together in
-    # one tuple, the fewer of the cache lines the user's Python evicts between two ops: -10%
-    # an op). But a default is copied into the frame at every call, one cache line each:
-    # those only a first sight or a missing spare reads stay globals, or this lane's in
-    # one namespace, ``COLD``, read where they are.
+    # Every name the body reads is bound as a default: read from the call's own frame, not
+    # through a closure's cells or the globals (a lane's values sit together in one tuple,
+    # the fewer of the cache lines the user's Python evicts between two ops: -10% an op).
     read = set(re.findall(r"[A-Za-z_]\w*", "\n".join(code)))
     made = (*params.split(", "), *_MADE, *(f"{v}{k}" for k in range(n_out)
                                           for v in ("VALUE", "DUMMY", "SPARE", "SHAPE_OUT")))
-    cold = [v for v in made if v in read and _COLD.fullmatch(v)]
-    bound = [v for v in (*made, *_GLOBALS)
-             if v in read and v not in cold and v not in _COLD_GLOBALS] + ["COLD"] * bool(cold)
-    if cold:
-        names = re.compile(rf"\b({'|'.join(cold)})\b")
-        code = [names.sub(r"COLD.\1", line) for line in code]
+    bound = [v for v in (*made, *_GLOBALS) if v in read]
     return "\n".join([
         f"def make({params}):",
         "    tensors, memo, seqs, visits = runner.tensors, runner.checks, runner.seqs, "
@@ -256,7 +242,6 @@ def _source(form):
         *[f"    VALUE{k} = static[{k}]" for k in range(n_out)],
         *[f"    DUMMY{k}, SPARE{k}, SHAPE_OUT{k} = SRC{k}" for k in range(0 if shaped else n_out)],
         "    by_shapes = {}  # varying input shapes -> the stand-ins' sources (fixed answers)",
-        *([f"    COLD = Cold({', '.join(f'{v}={v}' for v in cold)})"] if cold else []),
         "",
         f"    def follow(args, {', '.join(f'{v}={v}' for v in bound)}):",
         *code, "", "    return follow", ""])
