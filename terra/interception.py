@@ -27,6 +27,7 @@ the slow door therefore hands off to ``execute_with_callbacks``.
 """
 
 import contextlib
+import math
 import threading
 
 import numpy as np
@@ -42,9 +43,10 @@ ORIGINAL_RECORD = record.record_operation
 ORIGINAL_CONVERT = constant_op.convert_to_eager_tensor
 ORIGINAL_STOP = record.stop_recording
 
-# EagerTensor._id -> the Python scalar (int, float, bool), or the (dtype, shape, bytes) of
-# the small numpy array (the axes ``tf.reduce_sum(x)`` makes at every call), the owning
-# thread converted to that tensor while a handler was set; emptied at each iteration's start
+# EagerTensor._id -> the Python scalar (int, float, bool), the (dtype, shape, bytes) of the
+# small numpy array (the axes ``tf.reduce_sum(x)`` makes at every call), or the value_key of
+# the small list or tuple of scalars (a shape, split sizes), the owning thread converted to
+# that tensor while a handler was set; emptied at each iteration's start
 converted: dict = {}
 _SCALARS = (int, float, bool)
 _SMALL = 64  # elements of an array worth noting: a lane compares its bytes
@@ -66,13 +68,38 @@ def _fast(ctx, op_type, name, *args):
 
 def _convert(value, ctx, dtype=None):
     t = ORIGINAL_CONVERT(value, ctx, dtype)
-    kind = type(value)
-    if (kind in _SCALARS or kind is np.ndarray and value.size <= _SMALL) and \
-            _handler is not None and _get_ident() == _owner:
-        # an array as its bytes then: Python may change the array afterwards
-        converted[t._id] = value if kind is not np.ndarray else \
-            (value.dtype, value.shape, value.tobytes())
+    if _handler is not None and _get_ident() == _owner:
+        kind = type(value)
+        if kind in _SCALARS:
+            converted[t._id] = value
+        elif kind is np.ndarray:  # as its bytes: Python may change the array afterwards
+            if value.size <= _SMALL:
+                converted[t._id] = (value.dtype, value.shape, value.tobytes())
+        elif (kind is tuple or kind is list) and len(value) <= _SMALL:
+            key = value_key(value)  # a shape, split sizes, axes: made anew at each call
+            if key is not None:
+                converted[t._id] = key
     return t
+
+
+def value_key(a):
+    """What decides the conversion of the Python value ``a`` to a constant, as a set's key:
+    a scalar's type and value (1, 1.0 and True differ), each element's of a flat list or
+    tuple of scalars (and a zero's sign: -0.0 == 0.0, but 1 / x tells them apart), a numpy
+    array's dtype, shape and bytes; None for anything else (then it is converted every
+    time). A scalar's zero keeps no sign: TF converts a Python scalar through its cache of
+    constants, where 0.0 and -0.0 are one key, so eager has the one first converted."""
+    kind = type(a)
+    if kind in _SCALARS:
+        return kind, a
+    if kind is tuple or kind is list:
+        if all(type(x) in _SCALARS for x in a):
+            return kind, tuple((type(x), x) if x or type(x) is not float else
+                               (float, x, math.copysign(1.0, x)) for x in a)
+        return None
+    if kind is np.ndarray and a.dtype.kind in "biufc":  # not objects or strings
+        return a.dtype.str, a.shape, a.tobytes()
+    return None
 
 
 def _slow(op_type, num_outputs, inputs, attrs, ctx, name=None):

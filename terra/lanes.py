@@ -32,10 +32,11 @@ from terra import interception
 from terra.config import config
 from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
+from terra.interception import value_key
 from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
 from terra.trace import signature_part
-from terra.validation import shape_ok, value_key
+from terra.validation import shape_ok
 
 MISS = object()  # "take the general path": the lane did nothing
 
@@ -92,12 +93,9 @@ def build(runner, cur, step, info, attrs, plan):
             bound[f"SID{i}"], bound[f"DT{i}"], bound[f"FED{i}"] = id(slot), slot.dtype, fed
             bound[f"SHAPE{i}"] = slot.value.shape if slot.value is not None else None
             bound[f"BYTES{i}"] = slot.value_bytes
-            # the key of an array converted to this value (interception.converted)
-            bound[f"KEY{i}"] = None if slot.value is None else \
-                (slot.value.dtype, slot.value.shape, slot.value_bytes)
-            # Python scalars converted to it (value -> type: 1 and 1.0 are one key), and the
-            # id of the tensor of its value validated last
-            bound[f"SCALARS{i}"], bound[f"CID{i}"] = {}, [None]
+            # Python values converted to it (interception.converted's keys -> their type: 1
+            # and 1.0 are one key), and the id of the tensor of its value validated last
+            bound[f"CONVERTS{i}"], bound[f"CID{i}"] = {}, [None]
         elif kind is SlotKind.VAR or kind is SlotKind.CAPTURE:
             fed = fed if kind is SlotKind.CAPTURE else None
             kinds.append((_SAME_TENSOR, fed is not None, False))
@@ -179,7 +177,7 @@ def _source(form):
     anything was done."""
     n, spread, bare, kinds, n_out, shaped, one, fetch, noted, check = form
     names = [f"P{i}, K{i}" if k[0] == _NODE else
-             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, KEY{i}, SCALARS{i}, CID{i}"
+             f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, CONVERTS{i}, CID{i}"
              if k[0] == _CONST else
              f"FS{i}, DT{i}, FED{i}, CH{i}" if k[0] == _FED else
              f"ID{i}, FED{i}" for i, k in enumerate(kinds)]
@@ -282,20 +280,22 @@ def _input_check(i, kind, reread, flag):
     return [f"        if type({a}) is ET:",
             f"            if {a}._id in tensors:  # a stand-in where a value is read",
             "                return MISS",
-            # a Python scalar converted to it (a fresh tensor each call), known to give the
-            # value in the slot's dtype, or an array of the value's dtype, shape and bytes:
-            # no read-back, nothing to remember
+            # a Python value converted to it (a fresh tensor each call): a scalar, list,
+            # tuple or array (by its key) known to give the value in the slot's dtype: no
+            # read-back
             f"            src = converted.get({a}._id)",
-            f"            if src is None or (src != KEY{i} if type(src) is tuple else "
-            f"SCALARS{i}.get(src) is not type(src)) or {a}._datatype_enum() != DT{i}:",
+            f"            if src is None or CONVERTS{i}.get(src) is not type(src) or "
+            f"{a}._datatype_enum() != DT{i}:",
             f"                if {a}._id != CID{i}[0]:",
             f"                    if {a}._datatype_enum() != DT{i}:",
             "                        return MISS",
             f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
             f"                    if {compare}:",
             "                        return MISS",
-            "                    if src and type(src) is not tuple:  # not 0: -0.0 shares it",
-            f"                        SCALARS{i}[src] = type(src)",
+            # known from now on (1 and 1.0 differ); not a zero scalar, which TF's cache of
+            # converted scalars may have with the other sign (this tensor is checked)
+            "                    if src:",
+            f"                        CONVERTS{i}[src] = type(src)",
             f"                    CID{i}[0] = const_ids[SID{i}] = {a}._id  # it has the value",
             # a float computed anew each call (``float(n)``) equal to the last one, not zero
             # (-0.0 == 0.0) and not NaN: the same constant, without its value's key

@@ -15,6 +15,7 @@ from tensorflow.python.framework import constant_op, dtypes, ops
 from terra import opdefs
 from terra.divergence import Divergence, RegionMissed
 from terra.fallback import OP_RECORDS, LoggedPythonOp, LoggedSkip
+from terra.interception import value_key
 from terra.nodes import SlotKind
 from terra.standins import Entry
 from terra.trace import signature_part
@@ -300,24 +301,10 @@ def _converts_to(a, value):
         return False
     if value.dtype.kind in "iub" and not np.array_equal(converted, np.asarray(a)):
         return False
-    return converted.shape == value.shape and np.array_equal(converted, value)
-
-
-def value_key(a):
-    """What decides the conversion of the Python value ``a`` to a constant, as a set's key:
-    a scalar's type and value (1, 1.0 and True differ), each element's of a flat list or
-    tuple of scalars, a numpy array's dtype, shape and bytes; None for anything else (then
-    it is converted every time)."""
-    kind = type(a)
-    if kind in _SCALARS:
-        return kind, a
-    if kind is tuple or kind is list:
-        if all(type(x) in _SCALARS for x in a):
-            return kind, tuple((type(x), x) for x in a)
-        return None
-    if kind is np.ndarray and a.dtype.kind in "biufc":  # not objects or strings
-        return a.dtype.str, a.shape, a.tobytes()
-    return None
+    if type(a) in _SCALARS:  # as TF's cache of converted scalars has them: 0.0 is -0.0
+        return converted.shape == value.shape and np.array_equal(converted, value)
+    # by bytes: -0.0 is another constant than 0.0 (1 / x tells them apart)
+    return converted.shape == value.shape and converted.tobytes() == value.tobytes()
 
 
 def shape_ok(shape, want):

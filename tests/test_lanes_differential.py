@@ -124,3 +124,41 @@ def test_lanes_of_every_form_keep_eagers_numbers(followed):
     assert followed[("AssignAddVariableOp", False)] > 0, followed  # no outputs
     assert followed[("MatMul", True)] > 0, followed  # batches of two sizes, fed
 
+
+
+def zero_sign_program(how):
+    """0.0 until ``CHANGE_AT``, then -0.0, given to an op ``how``: a Python float as it is
+    (``tf.maximum`` hands it to the op), converted by the op's wrapper (``y + z``), or in a
+    list converted to a constant. -0.0 == 0.0 in Python and in a dict, but ``1 / (x + z)``
+    at ``x == -0.0`` is -inf with -0.0 and inf with 0.0. In a list the constant changed; a
+    scalar TF converts through its cache of constants, where 0.0 and -0.0 are one key: eager
+    adds the 0.0 it converted first, and so must Terra."""
+
+    def program(tape_cls, steps):
+        w = tf.Variable([1.0, 2.0, 3.0])
+        x = tf.constant([-0.0, 1.0, -2.0])
+        losses = []
+        for step in range(steps):
+            z = -0.0 if step >= CHANGE_AT else 0.0
+            with tape_cls() as tape:
+                y = x * w  # -0.0 at the first element
+                if how == "python":
+                    y = tf.minimum(y, z) + tf.maximum(y, z)
+                elif how == "converted":
+                    y = y + z
+                else:
+                    y = y + tf.constant([z, z, z])
+                loss = tf.reduce_sum(tf.atan(1.0 / y))  # pi/2 or -pi/2 at the first element
+            grad = tape.gradient(loss, w)
+            w.assign_sub(1e-2 * grad)
+            losses.append(float(loss))
+        return {"losses": losses, "w": w}
+
+    return program
+
+
+@pytest.mark.parametrize("how", ["python", "converted", "list"])
+def test_a_zero_that_turns_negative_is_the_constant_eager_has(how):
+    changed = how == "list"
+    assert_same_as_eager(zero_sign_program(how), STEPS, expect_fallbacks=int(changed),
+                         max_traces=2 + 2 * changed)
