@@ -292,9 +292,9 @@ def _input_check(i, kind, reread, flag):
             f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
             f"                    if {compare}:",
             "                        return MISS",
-            # known from now on (1 and 1.0 differ); not a zero scalar, which TF's cache of
-            # converted scalars may have with the other sign (this tensor is checked)
-            "                    if src:",
+            # known from now on (1 and 1.0 differ); not a float zero, which TF's cache of
+            # converted scalars may hold with the other sign (each such tensor is checked)
+            "                    if src is not None and (src or type(src) is not float):",
             f"                        CONVERTS{i}[src] = type(src)",
             f"                    CID{i}[0] = const_ids[SID{i}] = {a}._id  # it has the value",
             # a float computed anew each call (``float(n)``) equal to the last one, not zero
