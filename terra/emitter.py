@@ -314,6 +314,13 @@ class Emitter:
         if (not t.shape.is_fully_defined() or node.data_dependent) and \
                 self._locals.infer_shapes(step):
             return
+        if not t.shape.is_fully_defined() and not step.check_shapes and \
+                not node.data_dependent and shape_fn_decides(node):
+            # the traces had one shape here, the graph's varies (a mask's row count): the
+            # stand-ins' shapes follow from the inputs', looked up or inferred, as where the
+            # traces' shapes varied; fetched, Python would wait for the graph at this op
+            step.check_shapes = True
+            return
         if not t.shape.is_fully_defined() and not step.check_shapes or node.data_dependent \
                 or step.check_shapes and k == 0 and not shape_fn_decides(node):
             step.dynamic = True
