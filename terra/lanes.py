@@ -30,6 +30,7 @@ from tensorflow.python.framework import ops
 
 from terra import interception
 from terra.config import config
+from terra.divergence import GraphFailed
 from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
 from terra.interception import value_key
@@ -65,12 +66,11 @@ def build(runner, cur, step, info, attrs, plan):
     """The lane from ``cur`` into ``step``, whose op was just matched by the general path
     with the raw ``attrs`` (validated and remembered); False where the general path is the
     only one: a branch point or a Case Select to feed on the edge, a step Python runs or
-    computes (a local one) or whose outputs are fetched, the path's end (the graph is waited
-    for), inputs a lane cannot check (read again from another op's, joined, from a loop's
-    body)."""
+    computes (a local one) or whose outputs are fetched, inputs a lane cannot check (read
+    again from another op's, joined, from a loop's body). At the path's end the lane waits
+    for the graph as ``PythonRunner._move`` does."""
     if cur.next != [step] or cur.puts is not None or step.kind is not NodeKind.OP or \
             step.python or step.local is not None or step.dynamic or step.value_shaped or \
-            step.next == [None] or \
             runner.checks.fast_attrs.get(step) != attrs:
         return False
     kinds, bound = [], {}
@@ -115,7 +115,7 @@ def build(runner, cur, step, info, attrs, plan):
             return False
     form = (info.n_inputs, _spread(info, len(step.slots)), not attrs, tuple(kinds),
             len(step.out_specs), sources is None, plan == "one", step.has_fetch,
-            step in runner.seq_read, config.check)
+            step in runner.seq_read, config.check, step.next == [None])
     factory, source = _factory(form)
     outs = {f"SRC{k}": s for k, s in enumerate(sources or ())}
     follow = factory(runner=runner, STEP=step, INFO=info, ATTRS=attrs, PLAN=plan,
@@ -165,7 +165,7 @@ _GLOBALS = {
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "stopped": interception.tapes_stopped,
     "np_shape": np.shape, "converted": interception.converted, "shape_ok": shape_ok,
-    "signature_part": signature_part,
+    "signature_part": signature_part, "GraphFailed": GraphFailed,
 }
 
 
@@ -175,7 +175,7 @@ def _source(form):
     case (see the module's docstring): the checks of each input (:func:`_input_check`), then
     the stand-ins, the log record and the move (:func:`_outputs`), or :data:`MISS` before
     anything was done."""
-    n, spread, bare, kinds, n_out, shaped, one, fetch, noted, check = form
+    n, spread, bare, kinds, n_out, shaped, one, fetch, noted, check, end = form
     names = [f"P{i}, K{i}" if k[0] == _NODE else
              f"LAST{i}, SID{i}, DT{i}, FED{i}, SHAPE{i}, BYTES{i}, CONVERTS{i}, CID{i}"
              if k[0] == _CONST else
@@ -221,7 +221,7 @@ def _source(form):
                      "        if it.signature is not None:",
                      f"            it.signature.append(signature_part(a{i}, STEP.op_type, {i}))"]
     logged = [f"e{i}" if k[0] == _NODE else f"a{i}" for i, k in enumerate(kinds)]
-    code += _outputs(n_out, shaped, one, fetch, noted, logged)
+    code += _outputs(n_out, shaped, one, fetch, noted, end, logged)
     # Every name the body reads is bound as a default: read from the call's own frame, not
     # through a closure's cells or the globals (a lane's values sit together in one tuple,
     # the fewer of the cache lines the user's Python evicts between two ops: -10% an op).
@@ -354,11 +354,12 @@ def _shaped(kinds, n_out, check):
             f"            by_shapes[{key}] = sources"]
 
 
-def _outputs(n_out, shaped, one, fetch, noted, logged):
+def _outputs(n_out, shaped, one, fetch, noted, end, logged):
     """The lines after a lane's checks: the stand-ins and their entries (fields set inline,
     output by output), the log record of the op with its ``logged`` inputs (names), the move
-    (the step's pass ``noted`` where it is ever asked for: ``PythonRunner.seq_read``), the
-    results. An op of one output is logged as its entry; others as a ``LoggedOp``."""
+    (the step's pass ``noted`` where it is ever asked for: ``PythonRunner.seq_read``; at the
+    path's ``end``, the wait for the graph), the results. An op of one output is logged as
+    its entry; others as a ``LoggedOp``."""
     code = ["        seq = runner.seq"]
     # a step's position in its fetch channels; 0 where it has none (PythonRunner._visit)
     visit = "visit" if fetch else "0"
@@ -397,5 +398,13 @@ def _outputs(n_out, shaped, one, fetch, noted, logged):
     code.append("        runner.seq = seq + 1")
     if fetch:
         code.append("        runner._visit(STEP)")
-    code.append("        return s0" if one else f"        return pack_fast(PLAN, {outs})")
+    code.append("        result = s0" if one else f"        result = pack_fast(PLAN, {outs})")
+    if end:  # as PythonRunner._logged_move: a graph failing here ran the op in the replay
+        code += ["        try:",
+                 "            runner._take(STEP, 0)",
+                 "            runner._path_end()",
+                 "        except GraphFailed as failed:",
+                 "            failed.ran, failed.result = True, result",
+                 "            raise"]
+    code.append("        return result")
     return code

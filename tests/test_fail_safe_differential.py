@@ -111,6 +111,42 @@ def test_a_lanes_own_failure_ends_in_eager_numbers(monkeypatch):
     assert "injected into a lane" in outcome.explain, outcome.report()
 
 
+def test_a_graph_failing_at_the_paths_end_runs_its_last_op_once(monkeypatch):
+    """The graph fails (the GraphRunner's fifth job) where Python waits for it: at the path's
+    last op, ``count.assign_add``, taken along its lane. The replay runs the iteration's ops,
+    that one too, and Python must get the replay's result, not run the op a second time."""
+    ends = []
+    original = lanes.build
+
+    def build(runner, cur, step, *args):
+        lane = original(runner, cur, step, *args)
+        if lane and step.next == [None]:
+            ends.append(step.op_type)
+        return lane
+
+    def program(tape_cls, steps):
+        if tape_cls is terra.TerraGradientTape:
+            monkeypatch.setattr(lanes, "build", build)
+            _fail_once_after(graph_runner.GraphRunner, "_run", 5, monkeypatch,
+                             _graph_runner_crash)
+        w = tf.Variable([[0.5, -0.25], [0.75, 1.0]])
+        count = tf.Variable(0.0)
+        x = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+        losses = []
+        for _ in range(steps):
+            with tape_cls() as tape:
+                loss = tf.reduce_sum(tf.matmul(x, w) ** 2)
+            grad = tape.gradient(loss, w)
+            w.assign_sub(0.01 * grad)
+            losses.append(loss)  # read after the loop: no wait before the path's end
+            count.assign_add(1.0)
+        return {"losses": [float(v) for v in losses], "w": w, "count": count}
+
+    outcome = assert_same_as_eager(program, 10, expect_fallbacks=(1, None), max_traces=4)
+    assert "AssignAddVariableOp" in ends, ends
+    assert "injected into the GraphRunner" in outcome.explain, outcome.report()
+
+
 # -- exact fallback in a BatchNorm network ---------------------------------------------
 
 
