@@ -261,12 +261,13 @@ class Runtime(Exits):
             self.leave(why)
 
     def end_here(self) -> bool:
-        """Close the iteration now, its whole path matched, and go on eagerly as between
-        iterations, if no tape is open (an op in it may still need recording); whether it
-        was closed. An op after the path's end comes here (:meth:`path_ended`), and so does
-        a read of a value the graph computes after its commit gate (``terra.commit``): the
-        iteration's writes are done then, and closing it lets the graph write without a
-        snapshot of every written variable first (YOLOv3's Adam: ~4 ms a step)."""
+        """Close the iteration here (the rest of its path, if any, has no effects) and go on
+        eagerly as between iterations, if no tape is open (an op in it may still need
+        recording); whether it was closed. An op after the path's end comes here
+        (:meth:`path_ended`), and so does a read, once the whole path is matched, of a value
+        the graph computes after its commit gate (``terra.commit``): closing the iteration
+        lets the graph write without a snapshot of every written variable first (YOLOv3's
+        Adam: ~4 ms a step)."""
         if self.open_tapes:
             return False
         self._close_iteration()
