@@ -34,6 +34,7 @@ from terra.divergence import GraphFailed
 from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
 from terra.interception import value_key
+from terra.location import GENERATED
 from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
 from terra.trace import signature_part
@@ -144,7 +145,8 @@ def _factory(form):
     if made is None:
         source = _source(form)
         scope = dict(_GLOBALS)
-        exec(compile(source, f"<terra lane {len(_factories)}>", "exec"), scope)  # noqa: S102
+        name = f"{GENERATED}lane {len(_factories)}>"  # Terra's own frames (terra.location)
+        exec(compile(source, name, "exec"), scope)  # noqa: S102
         made = _factories[form] = (scope["make"], source)
     return made
 

@@ -75,9 +75,13 @@ def _internal_dirs():
             os.path.realpath(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
+# the file name Terra compiles its own code under (``terra.lanes``): Terra's, not the user's
+GENERATED = "<terra "
+
+
 def _under(filename, dirs):
     if filename.startswith("<"):
-        return filename.startswith("<frozen")
+        return filename.startswith(("<frozen", GENERATED))
     head, tail = os.path.split(filename)
     return os.path.join(_real_dir(head), tail).startswith(dirs)
 
@@ -96,7 +100,9 @@ def _is_library(filename: str) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def _is_internal(filename: str) -> bool:
-    return not filename.startswith("<") and _under(filename, _internal_dirs())
+    if filename.startswith("<"):
+        return filename.startswith(GENERATED)
+    return _under(filename, _internal_dirs())
 
 
 def user_location(frame=None) -> Location | None:

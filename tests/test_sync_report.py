@@ -46,6 +46,9 @@ def test_explain_lists_each_line_python_waited_at_with_its_count():
     assert reads >= s.coexecuted  # the reads after the last tape enter co-execute too
     file = inspect.getsourcefile(_reading_loop)
     book = runtime.current().syncs.lines
+    # every wait is the user's line's: none is Terra's own code (a lane waits at the path's
+    # end, in code Terra compiled)
+    assert all(where is None or not where.file.startswith("<") for _, where in book), book
     for marker in ("# read: numpy", "# read: float"):
         line = _line_of(marker)
         (key,) = [k for k in book if k[0] == syncs.VALUE and k[1] is not None
