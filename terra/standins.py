@@ -53,7 +53,7 @@ class Entry:
     position in the step's fetch channels; ``seq``: the runner's count of matched steps when
     the step that made it was matched (a loop's body step is matched once per trip);
     ``shape``: the shape of the tensor it is the entry of, which a lane reads where asking
-    the tensor (TF's handle, out of the caches by then) took half its time.
+    the tensor (TF's handle, out of the caches by then) took 40% of a shaped lane.
 
     The entry a lane makes for an op of one output is also that op's record in the
     iteration's log, in place of a ``fallback.LoggedOp``: it then has the record's
