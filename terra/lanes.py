@@ -8,11 +8,12 @@ and nothing else: the op type and the raw attr tuple already validated, each inp
 by a test precomputed from its slot (a stand-in of this iteration from the one producer, a
 constant's memo, identity or bytes, a variable's or capture's identity, a fed tensor's dtype
 and shape, put in its channel once all passed), stand-ins taken
-from the spares or copied from the step's dummies, the step logged and passed. Anything
-else, from a Python value never validated before to a step at the path's end, is a
-:data:`MISS`: nothing was done yet (but noting a constant tensor found to hold its slot's
-value), and the general path handles the op, with its checks and its messages. So a lane
-changes how fast an op is matched, never whether it matches.
+from the spares or copied from the step's dummies, the step logged and passed (at the
+path's end, the graph waited for). Anything else, from a Python value never validated
+before to a shape never seen, is a :data:`MISS`: nothing was done yet (but noting a
+constant tensor found to hold its slot's value), and the general path handles the op, with
+its checks and its messages. So a lane changes how fast an op is matched, never whether it
+matches.
 
 A lane's ``follow`` is straight-line Python written for its step (:func:`_source`): one
 check per input in order, no loop over check descriptors and no dispatch on their kinds,
