@@ -82,7 +82,7 @@ def unfetchable(held):
     """Whether an entry Python still holds (``held``: what :func:`sweep` returned) has no
     value and is not returned by the graph: :func:`finish` will find it uncovered, and the
     runtime fall back (the commit point's question, ``terra.commit``)."""
-    return any(e.value is None and e.step.fetch[e.out] is None for e in held)
+    return any(map(_unreturned, held))
 
 
 def holds_unfetchable(it):
@@ -91,23 +91,30 @@ def holds_unfetchable(it):
     dropped stand-in still references counts as held."""
     entries = it.entries
     ours = _closure_refs(it.customs) if it.customs else None
-    for i in range(0, len(entries), 3):
-        e = entries[i]
-        if e.value is None and e.step.fetch[e.out] is None:
-            t = entries[i + 1]
-            if sys.getrefcount(t) > _BASE_REFS + (ours.get(id(t), 0) if ours else 0):
-                return True
-    return False
+    return any(_unreturned(entries[i]) and _python_holds(entries, i, ours)
+               for i in range(0, len(entries), 3))
+
+
+def _unreturned(e):
+    return e.value is None and e.step.fetch[e.out] is None
+
+
+def _python_holds(entries, i, ours):
+    """Whether Python holds the stand-in of the entry at ``entries[i]`` (the entry, its
+    stand-in and its spares, flat): its references but the list's, this frame's, the count's
+    argument, its entry's value and Terra's elsewhere (``ours``, by id). The caller holds
+    none of its own."""
+    e, t = entries[i], entries[i + 1]
+    return sys.getrefcount(t) > _BASE_REFS + (e.value is t) + (ours.get(id(t), 0) if ours else 0)
 
 
 def _held(entries, i, tensors, ours, pool):
-    """Whether Python still holds the stand-in of the entry at ``entries[i]`` (the entry,
-    its stand-in and its spares, flat; ``ours``: the references Terra holds elsewhere, by
-    id); if not, forget its entry, and keep the stand-in as a spare (where ``pool``) if it
-    is one no one can tell from a fresh copy."""
-    e, t, spare = entries[i], entries[i + 1], entries[i + 2]
-    if sys.getrefcount(t) > _BASE_REFS + (e.value is t) + (ours.get(id(t), 0) if ours else 0):
+    """Whether Python still holds the stand-in of the entry at ``entries[i]``
+    (:func:`_python_holds`); if not, forget its entry, and keep the stand-in as a spare
+    (where ``pool``) if it is one no one can tell from a fresh copy."""
+    if _python_holds(entries, i, ours):
         return True
+    e, t, spare = entries[i], entries[i + 1], entries[i + 2]
     tensors.pop(t._id, None)
     if pool and spare is not None and e.value is not t and not (ours and id(t) in ours) and \
             not t.__dict__ and not _weakrefs(t):
@@ -156,6 +163,6 @@ def _has_contents(cell):
     return True
 
 
-# A tensor referenced only by the iteration's entry list: the list, ``_held``'s local and
-# getrefcount's argument.
+# A tensor referenced only by the iteration's entry list: the list, ``_python_holds``' local
+# and getrefcount's argument.
 _BASE_REFS = 3

@@ -112,7 +112,7 @@ def build(runner, cur, step, info, attrs, plan):
             return False
     sources = None
     if not step.check_shapes:
-        sources = _sources(runner.standins, step.out_specs)  # made by the general path
+        sources = _sources(runner.standins.sources, step.out_specs)  # made by the general path
         if sources is None:
             return False
     form = (info.n_inputs, _spread(info, len(step.slots)), not attrs, tuple(kinds),
@@ -152,10 +152,10 @@ def _factory(form):
     return made
 
 
-def _sources(standins, specs):
-    """Per spec, its dummy, spares (``StandIns.sources``) and shape; None if one is
-    missing."""
-    found = [standins.sources.get(spec) for spec in specs]
+def _sources(sources, specs):
+    """Per spec, its dummy, spares (``sources``: ``StandIns.sources``) and shape; None if
+    one is missing (a lane's for a shape never seen: the general path makes them)."""
+    found = [sources.get(spec) for spec in specs]
     return None if None in found else [(*f, spec[0]) for f, spec in zip(found, specs)]
 
 
@@ -168,7 +168,7 @@ _GLOBALS = {
     "IMMUTABLE": (int, float, bool, tuple), "ndarray": np.ndarray, "value_key": value_key,
     "flatten": flatten, "pack_fast": pack_fast, "stopped": interception.tapes_stopped,
     "np_shape": np.shape, "converted": interception.converted, "shape_ok": shape_ok,
-    "signature_part": signature_part, "GraphFailed": GraphFailed,
+    "signature_part": signature_part, "GraphFailed": GraphFailed, "sources_for": _sources,
 }
 
 
@@ -349,10 +349,9 @@ def _shaped(kinds, n_out, check):
             "                specs = inferred.get((STEP, shapes))  # from the shape function",
             "                if specs is None:",
             "                    return MISS",
-            "            sources = [sources_of.get(spec) for spec in specs]",
-            "            if None in sources:",
+            "            sources = sources_for(sources_of, specs)",
+            "            if sources is None:",
             "                return MISS",
-            "            sources = [(*found, spec[0]) for found, spec in zip(sources, specs)]",
             *(["            sources = sources[0]  # one output: its triple"] if n_out == 1 else []),
             f"            by_shapes[{key}] = sources"]
 
