@@ -66,11 +66,12 @@ def sweep(it, tensors, pool=False):
     for i in range(1, len(held), 3):
         t, spare = held[i], held[i + 1]
         weakref.finalize(t, tensors.pop, t._id, None)
-        if pool and spare is not None and not spare:
-            # Python keeps this spec's stand-ins (a loss, each iteration): copy one now,
-            # after the graph's waits, where an eager op costs ~2 us, not in the next
-            # iteration's lane, where TF's code is out of the caches (~30 us). A copy that
-            # fails here is not the user's error: the next op of the spec copies its own.
+        if pool and spare is not None:
+            # Python keeps this stand-in (a loss, each iteration): its spec's spares are one
+            # short of what the iteration took. Copy one now, after the graph's waits, where
+            # an eager op costs ~2 us, not in the next iteration's lane, where TF's code is
+            # out of the caches (~30 us). A copy that fails here is not the user's error:
+            # the next op of the spec copies its own.
             try:
                 spare.append(t._copy_to_device(t.backing_device))
             except errors.OpError:
