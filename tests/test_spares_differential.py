@@ -118,6 +118,21 @@ def test_stand_ins_kept_across_iterations_keep_their_values():
     assert_same_as_eager(kept_program, STEPS, min_coexecuted=4)
 
 
+def _scalar_spares_after_sweeps(monkeypatch):
+    """The number of spares of the float32 scalars' spec after each sweep that pools them, as
+    a list filled while the test runs."""
+    spares, spec, original = [], ((), tf.float32.as_datatype_enum), escapes.sweep
+
+    def sweep(it, tensors, pool=False):
+        held = original(it, tensors, pool)
+        if pool:
+            spares.append(len(runtime.get().runner.standins.sources[spec][1]))
+        return held
+
+    monkeypatch.setattr(escapes, "sweep", sweep)
+    return spares
+
+
 def test_a_spec_python_keeps_gets_its_spare_at_the_iterations_end(monkeypatch):
     """Python keeps every step's loss, so its spec's spares run dry each iteration; the sweep
     copies one then (the graph's waits have just run TF's eager code), not the loss's lane in
@@ -126,17 +141,7 @@ def test_a_spec_python_keeps_gets_its_spare_at_the_iterations_end(monkeypatch):
     values (``kept_program`` above) and match eager's."""
     terra.reset()
     w, x = _data()
-    kept, spares = [], []
-    loss_spec = ((), tf.float32.as_datatype_enum)
-    original = escapes.sweep
-
-    def sweep(it, tensors, pool=False):
-        held = original(it, tensors, pool)
-        if pool:
-            spares.append(len(runtime.get().runner.standins.sources[loss_spec][1]))
-        return held
-
-    monkeypatch.setattr(escapes, "sweep", sweep)
+    kept, spares = [], _scalar_spares_after_sweeps(monkeypatch)
     try:
         for _ in range(STEPS):
             kept.append(_step(w, x, terra.TerraGradientTape))
@@ -166,15 +171,7 @@ def test_a_spec_python_keeps_gets_back_every_spare_it_lost(monkeypatch):
         kept = [step(w, x, tape_cls) for _ in range(steps)]
         return {"losses": [float(t) for t in kept], "w": w}
 
-    spares, loss_spec, original = [], ((), tf.float32.as_datatype_enum), escapes.sweep
-
-    def sweep(it, tensors, pool=False):
-        held = original(it, tensors, pool)
-        if pool:
-            spares.append(len(runtime.get().runner.standins.sources[loss_spec][1]))
-        return held
-
-    monkeypatch.setattr(escapes, "sweep", sweep)
+    spares = _scalar_spares_after_sweeps(monkeypatch)
     outcome = assert_same_as_eager(program, STEPS, min_coexecuted=4)
     assert len(spares) >= 3 and min(spares) >= 3, (spares, outcome.report())
     assert max(spares) == 3, spares  # no more: the pool does not grow
