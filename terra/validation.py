@@ -293,18 +293,34 @@ def _feed(it, step, i, slot, t, feed):
 
 def _converts_to(a, value):
     """Whether TF's conversion of the Python value ``a`` gives the constant ``value``: in the
-    constant's dtype (0.99 becomes float32 0.99), and only where TF converts exactly (a
-    float never becomes an integer constant)."""
+    constant's dtype (0.99 becomes float32 0.99), and only where TF converts without asking
+    which dtype the op wants: never a float into an integer or bool constant, a number into a
+    bool one, or a sequence mixing bools with numbers (TF infers a dtype from its elements
+    where the op leaves it open, ``tf.reshape(x, (True, 16))``, and raises). Anything else
+    is another constant: the op falls back and runs as eager runs it."""
     try:
+        source = np.asarray(a)
         converted = np.asarray(a, dtype=value.dtype)
     except (TypeError, ValueError, OverflowError):
         return False
-    if value.dtype.kind in "iub" and not np.array_equal(converted, np.asarray(a)):
+    kind = value.dtype.kind
+    if source.dtype.kind in "fc" and kind in "iub" or kind == "b" and source.dtype.kind != "b":
+        return False
+    if source.dtype.kind != "b" and _has_bool(a):
+        return False
+    if kind in "iub" and not np.array_equal(converted, source):
         return False
     if type(a) in _SCALARS:  # as TF's cache of converted scalars has them: 0.0 is -0.0
         return converted.shape == value.shape and np.array_equal(converted, value)
     # by bytes: -0.0 is another constant than 0.0 (1 / x tells them apart)
     return converted.shape == value.shape and converted.tobytes() == value.tobytes()
+
+
+def _has_bool(a):
+    """Whether the list or tuple ``a`` (nested too) holds a Python or numpy bool."""
+    if type(a) is not list and type(a) is not tuple:
+        return False
+    return any(type(x) is bool or type(x) is np.bool_ or _has_bool(x) for x in a)
 
 
 def shape_ok(shape, want):

@@ -162,3 +162,45 @@ def test_a_zero_that_turns_negative_is_the_constant_eager_has(how):
     changed = how == "list"
     assert_same_as_eager(zero_sign_program(how), STEPS, expect_fallbacks=int(changed),
                          max_traces=2 + 2 * changed)
+
+
+
+def retyped_program(how):
+    """A Python list or tuple made anew at every step (a lane knows it by equality with the
+    last one matched), which at the step ``CHANGE_AT`` holds an element of another type but
+    an equal value: eager cannot convert it and raises (``how``: a ``True`` in a reshape's
+    shape, a float among a tile's multiples, an int among a bool op's), and the program
+    goes on."""
+
+    def program(tape_cls, steps):
+        w = tf.Variable(tf.fill((4, 4), 0.5))
+        x = tf.constant(np.arange(16, dtype=np.float32).reshape(4, 4) / 16)
+        losses, errors = [], []
+        for step in range(steps):
+            late = step == CHANGE_AT
+            with tape_cls() as tape:
+                y = x * w
+                try:
+                    if how == "bool in a shape":
+                        y = tf.reshape(y, (True if late else 1, 4 * 4))
+                    elif how == "float among ints":
+                        y = tf.tile(y, [2.0 if late else 2, 1])[2:]
+                    else:
+                        m = tf.logical_and(y > 0.3, [1 if late else True, False, True, True])
+                        y = tf.where(m, y, -y)
+                except (ValueError, TypeError, tf.errors.InvalidArgumentError) as error:
+                    errors.append((step, type(error).__name__))
+                loss = tf.reduce_sum(tf.sin(y))
+            w.assign_sub(1e-2 * tape.gradient(loss, w))
+            losses.append(float(loss))
+        return {"losses": losses, "w": w, "errors": errors}
+
+    return program
+
+
+@pytest.mark.parametrize("how", ["bool in a shape", "float among ints", "int among bools"])
+def test_a_list_equal_in_value_but_not_in_type_is_another_constant(how, followed):
+    assert_same_as_eager(retyped_program(how), STEPS, expect_fallbacks=(True, None),
+                         max_traces=4)
+    op = {"bool in a shape": "Reshape", "float among ints": "Tile"}.get(how, "LogicalAnd")
+    assert followed[(op, False)] > 0, followed  # the fresh list, along the lane
