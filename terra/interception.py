@@ -102,6 +102,13 @@ def value_key(a):
     return None
 
 
+def plain_scalars(seq):
+    """Whether equality tells the :func:`value_key` of a list or tuple like ``seq`` from
+    another's of the same element types: its elements are scalars and none is a float zero
+    (-0.0 == 0.0) or NaN (never equal to itself)."""
+    return all(type(x) in _SCALARS and (x == x and x or type(x) is not float) for x in seq)
+
+
 def _slow(op_type, num_outputs, inputs, attrs, ctx, name=None):
     h = _handler
     if h is None or _get_ident() != _owner:

@@ -34,7 +34,7 @@ from terra.config import config
 from terra.divergence import GraphFailed
 from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
-from terra.interception import value_key
+from terra.interception import plain_scalars, value_key
 from terra.location import GENERATED
 from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
@@ -90,8 +90,9 @@ def build(runner, cur, step, info, attrs, plan):
             kinds.append((_CONST, fed is not None, numeric))
             # a Python literal is the same object at every call, so its identity is enough
             # once its value was found among the slot's (a list or an array may have changed):
-            # [the last immutable value matched, the last array's (dtype, shape, bytes)]
-            bound[f"LAST{i}"] = [MISS, None]
+            # [the last immutable value matched, the last array's (dtype, shape, bytes), the
+            # last list or tuple of scalars' type, copy and element types]
+            bound[f"LAST{i}"] = [MISS, None, None, None, None]
             bound[f"SID{i}"], bound[f"DT{i}"], bound[f"FED{i}"] = id(slot), slot.dtype, fed
             bound[f"SHAPE{i}"] = slot.value.shape if slot.value is not None else None
             bound[f"BYTES{i}"] = slot.value_bytes
@@ -169,6 +170,7 @@ _GLOBALS = {
     "flatten": flatten, "pack_fast": pack_fast, "stopped": interception.tapes_stopped,
     "np_shape": np.shape, "converted": interception.converted, "shape_ok": shape_ok,
     "signature_part": signature_part, "GraphFailed": GraphFailed, "sources_for": _sources,
+    "SEQUENCES": (tuple, list), "plain_scalars": plain_scalars,
 }
 
 
@@ -308,6 +310,10 @@ def _input_check(i, kind, reread, flag):
             f"                dtype, shape, data = LAST{i}[1]",
             f"                ok = {a}.dtype is dtype and {a}.shape == shape and "
             f"{a}.tobytes() == data",
+            # a shape or split sizes made anew at each call, equal to the last one matched
+            # element by element and type by type (True == 1 == 1.0): the same key
+            f"            elif type({a}) is LAST{i}[2] and tuple(map(type, {a})) == LAST{i}[4]:",
+            f"                ok = {a} == LAST{i}[3]",
             "            else:",
             "                ok = False",
             "            if not ok:",
@@ -317,7 +323,9 @@ def _input_check(i, kind, reread, flag):
             f"                if type({a}) in IMMUTABLE:",
             f"                    LAST{i}[0] = {a}",
             f"                elif type({a}) is ndarray:",
-            f"                    LAST{i}[1] = ({a}.dtype, key[1], key[2])"]
+            f"                    LAST{i}[1] = ({a}.dtype, key[1], key[2])",
+            f"                if type({a}) in SEQUENCES and plain_scalars({a}):",
+            f"                    LAST{i}[2:] = type({a}), type({a})({a}), tuple(map(type, {a}))"]
 
 
 def _shaped(kinds, n_out, check):
