@@ -42,12 +42,19 @@ ORIGINAL_SLOW = execute.execute_with_callbacks
 ORIGINAL_RECORD = record.record_operation
 ORIGINAL_CONVERT = constant_op.convert_to_eager_tensor
 ORIGINAL_STOP = record.stop_recording
+ORIGINAL_CLEAR_SCALARS = pywrap_tfe.TFE_ClearScalarCache
 
 # EagerTensor._id -> the Python scalar (int, float, bool), the (dtype, shape, bytes) of the
 # small numpy array (the axes ``tf.reduce_sum(x)`` makes at every call), or the value_key of
 # the small list or tuple of scalars (a shape, split sizes), the owning thread converted to
-# that tensor while a handler was set; emptied at each iteration's start
+# that tensor while a handler was set; emptied at each iteration's start. A float zero is
+# noted as the zero TF's cache of converted scalars holds for it, "+0.0" or "-0.0" (below).
 converted: dict = {}
+# TF converts a Python scalar through a cache keyed by its value, its dtype asked for, the
+# context and the device, where 0.0 and -0.0 are one key: the zero converted first is the
+# one every later conversion of either gets, until the cache is cleared. Its sign, read once:
+# (dtype asked for, context, device) -> "+0.0" or "-0.0"; emptied when TF clears the cache.
+_zeros: dict = {}
 _SCALARS = (int, float, bool)
 _SMALL = 64  # elements of an array worth noting: a lane compares its bytes
 # whether the owning thread's gradient recording is paused (TFE_Py_TapeSetIsStopped): read
@@ -71,7 +78,8 @@ def _convert(value, ctx, dtype=None):
     if _handler is not None and _get_ident() == _owner:
         kind = type(value)
         if kind in _SCALARS:
-            converted[t._id] = value
+            converted[t._id] = value if value or kind is not float else \
+                _zero(t, dtype, ctx) or value
         elif kind is np.ndarray:  # as its bytes: Python may change the array afterwards
             if value.size <= _SMALL:
                 converted[t._id] = (value.dtype, value.shape, value.tobytes())
@@ -80,6 +88,27 @@ def _convert(value, ctx, dtype=None):
             if key is not None:
                 converted[t._id] = key
     return t
+
+
+def _zero(t, dtype, ctx):
+    """The zero TF's cache of converted scalars gave ``t``, converted from a Python float
+    zero with ``dtype`` asked for (see :data:`_zeros`): "+0.0" or "-0.0", read back the
+    first time; None for a dtype that is not a real float."""
+    key = (dtype, ctx, ctx.device_name)
+    zero = _zeros.get(key)
+    if zero is None:
+        v = t._numpy_internal()
+        if v.dtype.kind != "f":
+            return None
+        zero = _zeros[key] = "-0.0" if math.copysign(1.0, float(v)) < 0 else "+0.0"
+    return zero
+
+
+def _clear_scalars():
+    """``pywrap_tfe.TFE_ClearScalarCache`` while installed: a zero converted next may have
+    the other sign."""
+    _zeros.clear()
+    return ORIGINAL_CLEAR_SCALARS()
 
 
 def value_key(a):
@@ -157,6 +186,8 @@ def install():
     _installed = True
     _route(_handler)
     record.stop_recording = _stop_recording
+    _zeros.clear()  # TF may have cleared its cache while Terra was not installed
+    pywrap_tfe.TFE_ClearScalarCache = _clear_scalars
     functions.install()
 
 
@@ -166,6 +197,7 @@ def uninstall():
     _route(None)
     _installed = False
     record.stop_recording = ORIGINAL_STOP
+    pywrap_tfe.TFE_ClearScalarCache = ORIGINAL_CLEAR_SCALARS
     functions.uninstall()
 
 

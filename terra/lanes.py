@@ -297,8 +297,10 @@ def _input_check(i, kind, reread, flag):
             f"                    v = {a}._numpy_internal()  # bytes: -0.0, NaNs differ",
             f"                    if {compare}:",
             "                        return MISS",
-            # known from now on (1 and 1.0 differ); not a float zero, which TF's cache of
-            # converted scalars may hold with the other sign (each such tensor is checked)
+            # known from now on (1 and 1.0 differ; a float zero is noted by the sign TF's
+            # cache of converted scalars holds for it, "+0.0" or "-0.0"); not a zero of
+            # another dtype, which that cache may hold with the other sign (each such
+            # tensor is checked)
             "                    if src is not None and (src or type(src) is not float):",
             f"                        CONVERTS{i}[src] = type(src)",
             f"                    CID{i}[0] = const_ids[SID{i}] = {a}._id  # it has the value",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from differential import assert_same_as_eager
+from tensorflow.python.eager import context
 
 from terra import lanes
 
@@ -129,30 +130,32 @@ def test_lanes_of_every_form_keep_eagers_numbers(followed):
 def zero_sign_program(how):
     """0.0 until ``CHANGE_AT``, then -0.0, given to an op ``how``: a Python float as it is
     (``tf.maximum`` hands it to the op), converted by the op's wrapper (``y + z``), or in a
-    list converted to a constant. -0.0 == 0.0 in Python and in a dict, but ``1 / (x + z)``
-    at ``x == -0.0`` is -inf with -0.0 and inf with 0.0. In a list the constant changed; a
+    list converted to a constant. -0.0 == 0.0 in Python and in a dict, but ``1 / (c + z)``
+    at ``c == -0.0`` is -inf with -0.0 and inf with 0.0. In a list the constant changed; a
     scalar TF converts through its cache of constants, where 0.0 and -0.0 are one key: eager
     adds the 0.0 it converted first, and so must Terra."""
 
     def program(tape_cls, steps):
         w = tf.Variable([1.0, 2.0, 3.0])
-        x = tf.constant([-0.0, 1.0, -2.0])
-        losses = []
+        x = tf.constant([0.5, 1.0, -2.0])
+        c = tf.constant([-0.0, 1.0])
+        losses, signs = [], []
         for step in range(steps):
             z = -0.0 if step >= CHANGE_AT else 0.0
             with tape_cls() as tape:
-                y = x * w  # -0.0 at the first element
                 if how == "python":
-                    y = tf.minimum(y, z) + tf.maximum(y, z)
+                    y = tf.minimum(c, z) + tf.maximum(c, z)
                 elif how == "converted":
-                    y = y + z
+                    y = c + z
                 else:
-                    y = y + tf.constant([z, z, z])
-                loss = tf.reduce_sum(tf.atan(1.0 / y))  # pi/2 or -pi/2 at the first element
+                    y = c + tf.constant([z, z])
+                sign = tf.atan(1.0 / y)  # pi/2 or -pi/2 at the first element
+                loss = tf.reduce_sum(x * w) * tf.reduce_sum(sign)
             grad = tape.gradient(loss, w)
             w.assign_sub(1e-2 * grad)
             losses.append(float(loss))
-        return {"losses": losses, "w": w}
+            signs.append(sign.numpy().tolist())
+        return {"losses": losses, "w": w, "signs": signs}
 
     return program
 
@@ -163,6 +166,35 @@ def test_a_zero_that_turns_negative_is_the_constant_eager_has(how):
     assert_same_as_eager(zero_sign_program(how), STEPS, expect_fallbacks=int(changed),
                          max_traces=2 + 2 * changed)
 
+
+
+def cleared_zero_program(tape_cls, steps):
+    """``c + z`` with ``z`` the Python float 0.0 at every step but ``CHANGE_AT``, where TF's
+    cache of converted scalars is cleared and ``z`` is -0.0: from then on eager's cache gives
+    every zero as -0.0 (``1 / (c + z)`` at ``c == -0.0`` is -inf), and Terra's note of the
+    zero the cache holds must be dropped with the cache."""
+    w = tf.Variable([1.0, 2.0, 3.0])
+    x = tf.constant([0.5, 1.0, -2.0])
+    c = tf.constant([-0.0])  # a list: not through the cache
+    losses, signs = [], []
+    for step in range(steps):
+        z = 0.0
+        if step in (0, CHANGE_AT):  # both runs start from the same cache
+            context.context()._clear_caches()  # noqa: SLF001 - what tf.config calls
+        if step == CHANGE_AT:
+            z = -0.0
+        with tape_cls() as tape:
+            sign = tf.atan(1.0 / (c + z))  # pi / 2 with the zero +0.0, -pi / 2 with -0.0
+            loss = tf.reduce_sum(x * w) * tf.reduce_sum(sign)
+        w.assign_sub(1e-2 * tape.gradient(loss, w))
+        losses.append(float(loss))
+        signs.append(sign.numpy().tolist())
+    return {"losses": losses, "w": w, "signs": signs}
+
+
+def test_a_zero_after_tf_cleared_its_scalar_cache_is_the_one_eager_has():
+    assert_same_as_eager(cleared_zero_program, STEPS, expect_fallbacks=(True, None),
+                         max_traces=4)
 
 
 def retyped_program(how):
