@@ -294,20 +294,23 @@ def _feed(it, step, i, slot, t, feed):
 def _converts_to(a, value):
     """Whether TF's conversion of the Python value ``a`` gives the constant ``value``: in the
     constant's dtype (0.99 becomes float32 0.99), and only where TF converts without asking
-    which dtype the op wants: never a float into an integer or bool constant, a number into a
-    bool one, or a sequence mixing bools with numbers (TF infers a dtype from its elements
-    where the op leaves it open, ``tf.reshape(x, (True, 16))``, and raises). Anything else
-    is another constant: the op falls back and runs as eager runs it."""
+    which dtype the op wants: never a Python float into an integer constant, Python bools
+    into anything but a bool constant or numbers into a bool one, or a list mixing bools
+    with numbers (TF infers a dtype from its elements where the op leaves it open,
+    ``tf.reshape(x, (True, 16))``, and raises); a numpy value TF casts, where the cast is
+    exact. Anything else is another
+    constant: the op falls back and runs as eager runs it."""
     try:
         source = np.asarray(a)
         converted = np.asarray(a, dtype=value.dtype)
     except (TypeError, ValueError, OverflowError):
         return False
     kind = value.dtype.kind
-    if source.dtype.kind in "fc" and kind in "iub" or kind == "b" and source.dtype.kind != "b":
-        return False
-    if source.dtype.kind != "b" and _has_bool(a):
-        return False
+    if not isinstance(a, (np.ndarray, np.generic)):  # numpy's values TF casts, Python's not
+        bools = source.dtype.kind == "b"  # all bools, or bools among numbers
+        if source.dtype.kind in "fc" and kind in "iu" or (kind == "b") != bools or \
+                not bools and (type(a) is bool or _has_bool(a)):
+            return False
     if kind in "iub" and not np.array_equal(converted, source):
         return False
     if type(a) in _SCALARS:  # as TF's cache of converted scalars has them: 0.0 is -0.0
