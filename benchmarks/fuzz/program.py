@@ -12,7 +12,7 @@ import random
 import textwrap
 from pathlib import Path
 
-from . import control, models, state  # noqa: F401  (importing registers the features)
+from . import constants, control, models, state  # noqa: F401  (importing registers the features)
 from .snippets import REGISTRY, SLOTS, Snippet, draw
 
 DEFAULT_STEPS = 16
