@@ -53,15 +53,28 @@ def sweep(it, tensors, pool=False):
     # references are Terra's, not Python's
     ours = _closure_refs(it.customs) if it.customs else None
     pool = pool and _no_tapes()  # a tape may hold the stand-ins' ids
+    pop = tensors.pop
     while True:
         # A dropped stand-in can hold others (Keras 3 sets ``_keras_mask`` on tensors):
         # once it is gone they may be dropped too, so sweep until nothing more goes.
         pending, held = held, []
-        for i in range(0, len(pending), 3):
-            if _held(pending, i, tensors, ours, pool):
-                held += pending[i:i + 3]
+        # every stand-in's references, counted in one pass in C; beyond the list's, the
+        # slice's and the count's argument (_BASE_REFS) most have none: dropped. One loop,
+        # no call per entry: a step of YOLOv3 sweeps ~500 (0.8 us each as two calls apiece).
+        counts = list(map(sys.getrefcount, pending[1::3]))
+        for k, count in enumerate(counts):
+            i = 3 * k
+            e, t, spare = pending[i], pending[i + 1], pending[i + 2]
+            if count > _BASE_REFS + (e.value is t) + (ours.get(id(t), 0) if ours else 0):
+                held += (e, t, spare)  # Python still holds it
+                continue
+            pop(t._id, None)
+            if pool and spare is not None and e.value is not t and \
+                    not (ours and id(t) in ours) and not t.__dict__ and not _weakrefs(t):
+                spare.append(t)  # no one can tell it from a fresh copy: handed out again
         if len(held) == len(pending):
             break
+        del e, t, spare  # the loop's last: not a reference Python holds in the next pass
     del pending
     for i in range(1, len(held), 3):
         t, spare = held[i], held[i + 1]
@@ -107,20 +120,6 @@ def _python_holds(entries, i, ours):
     none of its own."""
     e, t = entries[i], entries[i + 1]
     return sys.getrefcount(t) > _BASE_REFS + (e.value is t) + (ours.get(id(t), 0) if ours else 0)
-
-
-def _held(entries, i, tensors, ours, pool):
-    """Whether Python still holds the stand-in of the entry at ``entries[i]``
-    (:func:`_python_holds`); if not, forget its entry, and keep the stand-in as a spare
-    (where ``pool``) if it is one no one can tell from a fresh copy."""
-    if _python_holds(entries, i, ours):
-        return True
-    e, t, spare = entries[i], entries[i + 1], entries[i + 2]
-    tensors.pop(t._id, None)
-    if pool and spare is not None and e.value is not t and not (ours and id(t) in ours) and \
-            not t.__dict__ and not _weakrefs(t):
-        spare.append(t)
-    return False
 
 
 def _closure_refs(customs):

@@ -127,7 +127,10 @@ class Watchdog:
     switch of threads per wait: YOLOv3's 67 waits a step took ~1 ms a step more."""
 
     def __init__(self):
-        self._cond = threading.Condition()
+        # arming and disarming take the condition's lock itself (in C: a condition's own
+        # ``with`` is a Python frame more, at every wait, out of the caches after one)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._deadline = None
         self._cm = None
         self._stopped = False
@@ -141,14 +144,14 @@ class Watchdog:
             self._cond.notify()
 
     def arm(self, cm, timeout):
-        with self._cond:
+        with self._lock:
             self._cm, self._deadline, self.fired = cm, time.monotonic() + timeout, False
             if timeout < 4 * self._period:  # the thread would look too late: sooner
                 self._period = max(timeout / 4, 1e-3)
                 self._cond.notify()
 
     def disarm(self):
-        with self._cond:
+        with self._lock:
             self._deadline = None
 
     def _loop(self):
