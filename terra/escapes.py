@@ -31,14 +31,16 @@ def finish(it, tensors, unread, held=None, pool=False):
     give the entries Python still holds their values (``unread``: the values its fetch
     channels held that nobody read, by step, visit and output) and return those the graph
     gave none. If none, the iteration is released. ``pool``: as for :func:`sweep`."""
+    if held is None:
+        held = sweep(it, tensors, pool)
     uncovered = []
-    for e in sweep(it, tensors, pool) if held is None else held:  # Python still holds it
+    for e in held:  # Python still holds it
         if e.value is None:
             e.value = unread.get((e.step, e.visit, e.out))
             if e.value is None:
                 uncovered.append(e)
     if not uncovered:
-        it.release()
+        it.release(held)
     return uncovered
 
 

@@ -139,8 +139,7 @@ class Exits:
             with profiling.trace("terra_replay"):
                 fallback_lib.replay(it.log, self.recorder, self.open_tapes, it.customs)
         finally:
-            runner.sweep(it)
-            it.release()
+            it.release(runner.sweep(it))
             if detour:  # its hook-table entries (the replayed outputs it noted) go with it
                 self.recorder.finish()
                 self.recorder = None

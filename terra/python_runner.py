@@ -74,13 +74,13 @@ class Iteration:
         self.fetch_visits = []  # (step, visit) of the steps with fetch channels it passed
         self.held = None  # the entries Python held when it ended, if swept before its end
 
-    def release(self):
-        """Nothing will be replayed any more: let go of the batches, tapes and snapshot (a
-        stand-in Python keeps holds its entry, and the entry this iteration; an entry that
-        was its op's log record lets go of the op's inputs)."""
-        for logged in self.log or ():
-            if type(logged) is Entry:
-                logged.inputs = None
+    def release(self, held):
+        """Nothing will be replayed any more: let go of the batches, tapes and snapshot. The
+        entries Python still holds (``held``, the sweep's: a stand-in Python keeps holds its
+        entry, and the entry this iteration) let go of their ops' inputs, which they hold
+        where they were their ops' log records; the others go with the log."""
+        for e in held:
+            e.inputs = None
         self.log = self.fed = self.customs = self.held = None
         self.job.snapshot = self.job.early = None
 

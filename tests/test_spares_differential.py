@@ -3,6 +3,7 @@ out again by a later op of its spec. That must never be visible: a tensor a prog
 attribute on, or holds a weak reference to, is never handed out again, and a value kept
 across iterations keeps its own."""
 
+import gc
 import weakref
 
 import numpy as np
@@ -10,7 +11,7 @@ import tensorflow as tf
 from differential import assert_same_as_eager
 
 import terra
-from terra import escapes, runtime
+from terra import escapes, runtime, standins
 
 STEPS = 12
 
@@ -176,3 +177,24 @@ def test_a_spec_python_keeps_gets_back_every_spare_it_lost(monkeypatch):
     assert len(spares) >= 3 and min(spares) >= 3, (spares, outcome.report())
     assert max(spares) == 3, spares  # no more: the pool does not grow
     assert len(set(outcome.terra["losses"])) == STEPS
+
+
+def test_a_kept_loss_keeps_its_entry_and_not_the_step_that_made_it():
+    """Each co-executed iteration's loss is kept to the end (an escape): its entry outlives
+    the iteration, the rest of the iteration's entries must not. An entry that was its op's
+    log record holds the op's inputs, the producers' entries, and theirs in turn, so the
+    iteration's release lets go of a kept entry's inputs, or every kept loss would keep its
+    whole forward pass."""
+    terra.reset()
+    w, x = _data()
+    kept = []
+    try:
+        for _ in range(3 * STEPS):
+            kept.append(_step(w, x, terra.TerraGradientTape))
+        coexecuted = terra.stats().coexecuted
+        entries = sum(type(o) is standins.Entry for o in gc.get_objects())
+    finally:
+        terra.reset()
+    assert coexecuted >= 3 * STEPS - 8
+    # one per kept loss, and the last iteration's own (released at the next one's start)
+    assert entries <= len(kept) + 8, (entries, len(kept))
