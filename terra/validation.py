@@ -298,15 +298,16 @@ def _converts_to(a, value):
     into anything but a bool constant or numbers into a bool one, or a list mixing bools
     with numbers (TF infers a dtype from its elements where the op leaves it open,
     ``tf.reshape(x, (True, 16))``, and raises); a numpy value TF casts, where the cast is
-    exact. Anything else is another
-    constant: the op falls back and runs as eager runs it."""
+    exact. Anything else is another constant: the op falls back and runs as eager runs it."""
     try:
         source = np.asarray(a)
         converted = np.asarray(a, dtype=value.dtype)
     except (TypeError, ValueError, OverflowError):
         return False
     kind = value.dtype.kind
-    if not isinstance(a, (np.ndarray, np.generic)):  # numpy's values TF casts, Python's not
+    # numpy's values TF casts, Python's not; an empty list or tuple (float64, numpy says)
+    # has no elements of any type
+    if source.size and not isinstance(a, (np.ndarray, np.generic)):
         bools = source.dtype.kind == "b"  # all bools, or bools among numbers
         if source.dtype.kind in "fc" and kind in "iu" or (kind == "b") != bools or \
                 not bools and (type(a) is bool or _has_bool(a)):

@@ -236,3 +236,21 @@ def test_a_list_equal_in_value_but_not_in_type_is_another_constant(how, followed
                          max_traces=4)
     op = {"bool in a shape": "Reshape", "float among ints": "Tile"}.get(how, "LogicalAnd")
     assert followed[(op, False)] > 0, followed  # the fresh list, along the lane
+
+
+def empty_shape_program(tape_cls, steps):
+    """A scalar's reshape to the empty shape ``()`` at every step (Keras 3 broadcasts to
+    one): numpy makes float64 of an empty tuple, which has no float in it."""
+    w = tf.Variable(tf.fill((4, 4), 0.5))
+    losses = []
+    for _ in range(steps):
+        with tape_cls() as tape:
+            loss = tf.reshape(tf.reduce_sum(w * w), ())
+            loss = tf.broadcast_to(loss, ()) * 2.0
+        w.assign_sub(1e-2 * tape.gradient(loss, w))
+        losses.append(float(loss))
+    return {"losses": losses, "w": w}
+
+
+def test_an_empty_shape_is_the_same_constant_at_every_step():
+    assert_same_as_eager(empty_shape_program, STEPS)
