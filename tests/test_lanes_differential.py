@@ -126,7 +126,6 @@ def test_lanes_of_every_form_keep_eagers_numbers(followed):
     assert followed[("MatMul", True)] > 0, followed  # batches of two sizes, fed
 
 
-
 def zero_sign_program(how):
     """0.0 until ``CHANGE_AT``, then -0.0, given to an op ``how``: a Python float as it is
     (``tf.maximum`` hands it to the op), converted by the op's wrapper (``y + z``), or in a
@@ -167,7 +166,6 @@ def test_a_zero_that_turns_negative_is_the_constant_eager_has(how):
                          max_traces=2 + 2 * changed)
 
 
-
 def cleared_zero_program(tape_cls, steps):
     """``c + z`` with ``z`` the Python float 0.0 at every step but ``CHANGE_AT``, where TF's
     cache of converted scalars is cleared and ``z`` is -0.0: from then on eager's cache gives
@@ -180,7 +178,7 @@ def cleared_zero_program(tape_cls, steps):
     for step in range(steps):
         z = 0.0
         if step in (0, CHANGE_AT):  # both runs start from the same cache
-            context.context()._clear_caches()  # noqa: SLF001 - what tf.config calls
+            context.context()._clear_caches()  # noqa: SLF001 - as a context reset does
         if step == CHANGE_AT:
             z = -0.0
         with tape_cls() as tape:
