@@ -67,7 +67,7 @@ def sweep(it, tensors, pool=False):
         for k, count in enumerate(counts):
             i = 3 * k
             e, t, spare = pending[i], pending[i + 1], pending[i + 2]
-            if count > _BASE_REFS + (e.value is t) + (ours.get(id(t), 0) if ours else 0):
+            if count > _BASE_REFS and count > _BASE_REFS + _terras(e, t, ours):
                 held += (e, t, spare)  # Python still holds it
                 continue
             pop(t._id, None)
@@ -121,7 +121,13 @@ def _python_holds(entries, i, ours):
     argument, its entry's value and Terra's elsewhere (``ours``, by id). The caller holds
     none of its own."""
     e, t = entries[i], entries[i + 1]
-    return sys.getrefcount(t) > _BASE_REFS + (e.value is t) + (ours.get(id(t), 0) if ours else 0)
+    return sys.getrefcount(t) > _BASE_REFS + _terras(e, t, ours)
+
+
+def _terras(e, t, ours):
+    """Terra's references to the stand-in ``t`` of the entry ``e`` beyond the entry list's:
+    the entry's value, and those of ``ours`` (by id)."""
+    return (e.value is t) + (ours.get(id(t), 0) if ours else 0)
 
 
 def _closure_refs(customs):
