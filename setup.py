@@ -4,7 +4,7 @@ TensorFlow itself is an extra (``cpu`` -> ``tensorflow-cpu``, ``gpu`` -> ``tenso
 so that installing Terra never pulls a second TensorFlow next to the one you have.
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 TF = "2.21.*"
 
@@ -16,6 +16,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["terra", "terra.*", "benchmarks", "benchmarks.*"]),
+    # The door and its common lanes in C (terra/lanes.py says what they do). Optional: where
+    # it does not build, Terra runs the same lanes in Python, the same numbers, slower.
+    ext_modules=[Extension("terra._native", ["terra/_native.c"], optional=True)],
     install_requires=["numpy", "gast>=0.5"],
     extras_require={
         "cpu": [f"tensorflow-cpu=={TF}"],

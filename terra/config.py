@@ -118,6 +118,11 @@ class Config:
       commit: (``TERRA_COMMIT``) graphs whose writes all come at the path's end wait for
         Python's word before writing, so an iteration that can no longer fall back needs no
         snapshot of the written variables (``terra.commit``); off, every job snapshots.
+      native: (``TERRA_NATIVE``, on by default) the co-execution door and the lanes of its
+        common forms run in C (``terra._native``, built at install where a C compiler is;
+        ``terra.lanes``). Off, or where it was not built, the same lanes run in Python:
+        the same ops answered the same way, each a few microseconds slower. Read when a
+        graph's runner starts co-executing.
     """
 
     disable: bool = False
@@ -143,6 +148,7 @@ class Config:
     verify_atol: float = 1e-6
     verify_action: str = "raise"
     commit: bool = True
+    native: bool = True
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -166,6 +172,7 @@ class Config:
             verify_atol=float(os.environ.get("TERRA_VERIFY_ATOL", "1e-6")),
             verify_action=_action(os.environ.get("TERRA_VERIFY_ACTION", "raise")),
             commit=_env_flag("TERRA_COMMIT", default=True),
+            native=_env_flag("TERRA_NATIVE", default=True),
         )
 
 

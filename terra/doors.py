@@ -5,8 +5,10 @@ iterations after a fully matched path. ``CoexecDoor`` answers an op along the Py
 lane where one is (``terra.lanes``; its ``fast_entry`` is TF's fast path itself while it is
 the handler, so a lane costs one call), else hands it to the PythonRunner's general path and
 any exception to ``Runtime.handle``, then runs the op through ``TracingDoor`` unless the
-replay already ran it. Both act on the runtime they are given (its recorder and runner, its
-``value`` and ``handle``), and read the hook table (``terra.hooks``), which they never fill.
+replay already ran it. Where ``terra._native`` was built, its ``Door`` is the entry: a lane's
+native twin answers the op in C, anything else goes on to the Python entry. Both doors act
+on the runtime they are given (its recorder and runner, its ``value`` and ``handle``), and
+read the hook table (``terra.hooks``), which they never fill.
 """
 
 import threading
@@ -18,6 +20,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from terra import fallback as fallback_lib
 from terra import functions, interception, lanes, opdefs
+from terra.config import config
 from terra.hooks import tensors as _tensors  # the one dict, never rebound: one lookup per op
 
 _EagerTensor = ops.EagerTensor
@@ -118,7 +121,10 @@ class CoexecDoor:
 
     def __init__(self, runtime):
         self.runtime = runtime
-        self.fast_entry = self._entry()
+        entry = self._entry()
+        # in C where it was built: a lane's native twin answers, anything else is ``entry``'s
+        self.fast_entry = entry if lanes.native is None or not config.native else \
+            lanes.native.Door(runtime, entry, self._failed)
 
     def _entry(self):
         """``pywrap_tfe.TFE_Py_FastPathExecute`` while this door is the handler: the lane at

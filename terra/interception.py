@@ -44,9 +44,10 @@ ORIGINAL_CONVERT = constant_op.convert_to_eager_tensor
 ORIGINAL_STOP = record.stop_recording
 ORIGINAL_CLEAR_SCALARS = pywrap_tfe.TFE_ClearScalarCache
 
-# EagerTensor._id -> the Python scalar (int, float, bool), the (dtype, shape, bytes) of the
-# small numpy array (the axes ``tf.reduce_sum(x)`` makes at every call), or the value_key of
-# the small list or tuple of scalars (a shape, split sizes), the owning thread converted to
+# EagerTensor._id -> the Python scalar (int, float, bool), the (dtype string, shape, bytes)
+# of the small numeric numpy array (the axes ``tf.reduce_sum(x)`` makes at every call), or
+# the value_key of the small list or tuple of scalars (a shape, split sizes), the owning
+# thread converted to
 # that tensor while a handler was set; emptied at each iteration's start. A float zero is
 # noted as the zero TF's cache of converted scalars holds for it, "+0.0" or "-0.0" (below).
 converted: dict = {}
@@ -81,8 +82,9 @@ def _convert(value, ctx, dtype=None):
             converted[t._id] = value if value or kind is not float else \
                 _zero(t, dtype, ctx) or value
         elif kind is np.ndarray:  # as its bytes: Python may change the array afterwards
-            if value.size <= _SMALL:
-                converted[t._id] = (value.dtype, value.shape, value.tobytes())
+            if value.size <= _SMALL and value.dtype.kind in "biufc":
+                # the dtype by its string: a numpy dtype hashes and compares ~1 us slower
+                converted[t._id] = (value.dtype.str, value.shape, value.tobytes())
         elif (kind is tuple or kind is list) and len(value) <= _SMALL:
             key = value_key(value)  # a shape, split sizes, axes: made anew at each call
             if key is not None:

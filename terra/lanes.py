@@ -21,6 +21,13 @@ the step's constants bound as its defaults. Lanes of one form (input kinds, outp
 share one compiled factory, so a program compiles a handful, however many ops it has;
 ``Lane.source`` is the code a lane runs, to read.
 
+A lane of a common form (inputs from stand-ins, constants or the same tensor; one output,
+returned as it is; no feed, fetch or path end: :func:`_twin`) also gets a native twin in
+``terra._native``, which the C door (``doors.CoexecDoor``) runs for it: the same checks in
+the same order and the same stand-in, entry and record, or, before anything was done, a
+deferral to this lane. The twin answers only where this lane would answer without writing a
+memo; the rest (a Python value never seen, an array, a shape never seen) is this lane's.
+
 Lanes are the runner's own table, like its other memos: the plan is only read.
 """
 
@@ -29,7 +36,7 @@ import re
 import numpy as np
 from tensorflow.python.framework import ops
 
-from terra import interception
+from terra import hooks, interception
 from terra.config import config
 from terra.divergence import GraphFailed
 from terra.fallback import LoggedOp
@@ -40,6 +47,11 @@ from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
 from terra.trace import signature_part
 from terra.validation import shape_ok
+
+try:
+    from terra import _native as native
+except ImportError:  # not built (no C compiler at install): the lanes run in Python alone
+    native = None
 
 MISS = object()  # "take the general path": the lane did nothing
 
@@ -53,15 +65,17 @@ _FED = "fed"  # a tensor of the slot's dtype and shape, put in its channel
 class Lane:
     """The edge into ``step`` from a step with no other successor: ``follow(args)`` matches
     a fast-path call there (the op's results, or :data:`MISS`); ``source`` is the code of
-    its form, whose names ``follow`` binds to this step's values."""
+    its form, whose names ``follow`` binds to this step's values; ``native`` its twin in
+    ``terra._native``, or None."""
 
-    __slots__ = ("step", "op_type", "follow", "source")
+    __slots__ = ("step", "op_type", "follow", "source", "native")
 
-    def __init__(self, step, follow, source):
+    def __init__(self, step, follow, source, native=None):
         self.step = step
         self.op_type = step.op_type
         self.follow = follow
         self.source = source
+        self.native = native
 
 
 def build(runner, cur, step, info, attrs, plan):
@@ -121,9 +135,42 @@ def build(runner, cur, step, info, attrs, plan):
             step in runner.seq_read, config.check, step.next == [None])
     factory, source = _factory(form)
     outs = {f"SRC{k}": s for k, s in enumerate(sources or ())}
+    by_shapes = {}  # varying input shapes -> the stand-ins' sources (fixed answers)
     follow = factory(runner=runner, STEP=step, INFO=info, ATTRS=attrs, PLAN=plan,
-                     **bound, **outs)
-    return Lane(step, follow, source)
+                     by_shapes=by_shapes, **bound, **outs)
+    return Lane(step, follow, source,
+                _twin(runner, step, form, attrs, plan, bound, by_shapes, sources))
+
+
+def _twin(runner, step, form, attrs, plan, bound, by_shapes, sources):
+    """The native twin of the lane of ``form`` into ``step``, from the values its Python
+    code is bound to (the same memo objects, which either may write), or None: a form the
+    C door does not know (an input fed or read again, several lists, the path's end), or
+    ``TERRA_NATIVE=0``, or no ``terra._native``."""
+    n, spread, _, kinds, n_out, shaped, _, fetch, noted, check, end = form
+    if native is None or not config.native or runner.tensors is not hooks.tensors or \
+            spread == "flatten" or end or len(kinds) > _MAX or n_out > _MAX or \
+            any(reread or kind == _FED for kind, reread, _ in kinds):
+        return None
+    inputs = []
+    for i, (kind, _, flag) in enumerate(kinds):
+        if kind == _NODE:  # (0, producer of one output, its step, which output)
+            inputs.append((0, int(flag), bound[f"P{i}"], bound[f"K{i}"]))
+        elif kind == _CONST:  # (1, 0, the lane's memos of the constant)
+            inputs.append((1, 0, *(bound[f"{v}{i}"] for v in ("LAST", "DT", "CONVERTS", "CID"))))
+        else:  # (2, 0, the tensor's id)
+            inputs.append((2, 0, bound[f"ID{i}"]))
+    return native.Lane(runner, step, tuple(attrs) if attrs else None, n, spread, inputs,
+                       by_shapes if shaped else None, None if shaped else tuple(sources),
+                       tuple(step.static[:n_out]), plan,
+                       runner.standins.device, runner.seqs if noted else None,
+                       runner.visits if fetch else None, check)
+
+
+_MAX = 8  # terra/_native.c's MAX_INPUTS and MAX_OUTPUTS
+if native is not None:
+    native.setup(ops.EagerTensor, Entry, Lane, LoggedOp, hooks.tensors, interception.converted,
+                 interception.tapes_stopped, pack_fast)
 
 
 def _spread(info, n_flat):
@@ -161,7 +208,7 @@ def _sources(sources, specs):
 
 
 _MADE = ("tensors", "seqs", "visits", "const_ids", "known", "device", "inferred",  # ``make``'s
-         "sources_of", "static", "by_shapes")
+         "sources_of", "static")
 
 _GLOBALS = {
     "MISS": MISS, "ET": ops.EagerTensor, "Entry": Entry, "alloc": object.__new__,
@@ -186,7 +233,7 @@ def _source(form):
              if k[0] == _CONST else
              f"FS{i}, DT{i}, FED{i}, CH{i}" if k[0] == _FED else
              f"ID{i}, FED{i}" for i, k in enumerate(kinds)]
-    params = ", ".join(["runner", "STEP", "INFO", "ATTRS", "PLAN", *names,
+    params = ", ".join(["runner", "STEP", "INFO", "ATTRS", "PLAN", "by_shapes", *names,
                         *[f"SRC{k}" for k in range(0 if shaped else n_out)]])
     flat = ", ".join(f"a{i}" for i in range(len(kinds))) + ("," if len(kinds) == 1 else "")
     code = [  # with no attrs, a shorter call would pass the attrs' test
@@ -244,7 +291,6 @@ def _source(form):
         # per output, its value known at build time, and (not shaped) its dummy and spares
         *[f"    VALUE{k} = static[{k}]" for k in range(n_out)],
         *[f"    DUMMY{k}, SPARE{k}, SHAPE_OUT{k} = SRC{k}" for k in range(0 if shaped else n_out)],
-        "    by_shapes = {}  # varying input shapes -> the stand-ins' sources (fixed answers)",
         "",
         f"    def follow(args, {', '.join(f'{v}={v}' for v in bound)}):",
         *code, "", "    return follow", ""])

@@ -5,6 +5,7 @@ thing a lane checks (a Python scalar, a numpy array, a list of scalars, a consta
 value, an input's producer) and must give eager's numbers."""
 
 import collections
+import collections.abc
 
 import numpy as np
 import pytest
@@ -13,16 +14,52 @@ from differential import assert_same_as_eager
 from tensorflow.python.eager import context
 
 from terra import lanes
+from terra.config import config
 
 STEPS = 12
 CHANGE_AT = 8  # co-execution starts at step 3 (warm-up, two traces): lanes from step 4
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def native(request, monkeypatch):
+    """Every test twice: with the lanes' native twins (``terra._native``), and with the
+    Python lanes alone, as where the extension was not built."""
+    if request.param == "native" and lanes.native is None:
+        pytest.skip("terra._native was not built")
+    monkeypatch.setattr(config, "native", request.param == "native")
+    return request.param == "native"
+
+
+class _Followed(collections.abc.Mapping):
+    """Ops answered by lanes, by (op type, whether the lane looks its output shapes up):
+    by the Python lane's ``follow`` or by its native twin."""
+
+    def __init__(self):
+        self.python = collections.Counter()
+        self.lanes = []  # (kind, lane)
+
+    def _counts(self):
+        counts = collections.Counter(self.python)
+        for kind, lane in self.lanes:
+            if lane.native is not None:
+                counts[kind] += lane.native.answered
+        return counts
+
+    def __getitem__(self, kind):
+        return self._counts()[kind]
+
+    def __iter__(self):
+        return iter(self._counts())
+
+    def __len__(self):
+        return len(self._counts())
 
 
 @pytest.fixture
 def followed(monkeypatch):
     """How many ops lanes answered (not ``MISS``) in the Terra run, by op type and by whether
     the lane looks its output shapes up (``shaped``)."""
-    answered = collections.Counter()
+    answered = _Followed()
     original = lanes.build
 
     def build(runner, cur, step, *args):
@@ -32,10 +69,11 @@ def followed(monkeypatch):
 
             def counted(call_args):
                 result = follow(call_args)
-                answered[kind] += result is not lanes.MISS
+                answered.python[kind] += result is not lanes.MISS
                 return result
 
             lane.follow = counted
+            answered.lanes.append((kind, lane))
         return lane
 
     monkeypatch.setattr(lanes, "build", build)
