@@ -90,3 +90,37 @@ def test_every_twin_form_keeps_eagers_numbers(native, twins, monkeypatch):
     for op in ("Mul", "Split", "ConcatV2", "Reshape", "Max", "Sum", "Mean",
                "AssignAddVariableOp"):
         assert answered.get(op, 0) > 0, (op, answered)
+
+
+def broken_entry_program(tape_cls, steps):
+    """Batches of two sizes (the lanes look their output shapes up), and at step 8 the
+    entry of a stand-in Python holds gets the other batch's shape, one its consumers' lanes
+    know: under ``TERRA_CHECK`` the next lane reading it raises Terra's own assertion, which
+    must become eager execution (a fallback), never the user's error or another number."""
+    from terra import hooks, standins
+
+    rng = np.random.default_rng(3)
+    w = tf.Variable(rng.normal(size=(3, 4)).astype("float32"))
+    xs = [tf.constant(rng.normal(size=(n, 3)).astype("float32")) for n in (6, 4)]
+    losses = []
+    for step in range(steps):
+        with tape_cls() as tape:
+            h = tf.matmul(xs[step % 2], w)
+            entry = hooks.tensors.get(h._id)
+            if step == 8 and type(entry) is standins.Entry:
+                entry.shape = (4, 4)  # h is (6, 4) at even steps
+            loss = tf.reduce_sum(tf.tanh(h * 2.0))
+        w.assign_sub(0.01 * tape.gradient(loss, w))
+        losses.append(float(loss))
+    return {"losses": losses, "w": w}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_twins_own_error_becomes_eager_execution(native, monkeypatch):
+    if native and lanes.native is None:
+        pytest.skip("terra._native was not built")
+    monkeypatch.setattr(config, "native", native)
+    monkeypatch.setattr(config, "check", True)
+    outcome = assert_same_as_eager(broken_entry_program, STEPS, exact=("losses",),
+                                   expect_fallbacks=(1, None), max_traces=4)
+    assert "an entry has another shape than its tensor" in outcome.explain, outcome.explain
