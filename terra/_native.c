@@ -735,6 +735,10 @@ door_call(Door *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
         return result;
     }
     Py_DECREF(lane);
+    if (outcome == FAILED && !PyErr_ExceptionMatches(PyExc_Exception)) {
+        Py_DECREF(at);  /* KeyboardInterrupt, SystemExit: the Python entry lets them through */
+        return NULL;
+    }
     if (outcome == FAILED) {  /* as the Python entry: the runtime handles it */
         PyObject *why = raised();
         PyObject *rest = PyTuple_New(nargs - 3);
