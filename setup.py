@@ -18,7 +18,10 @@ setup(
     packages=find_packages(include=["terra", "terra.*", "benchmarks", "benchmarks.*"]),
     # The door and its common lanes in C (terra/lanes.py says what they do). Optional: where
     # it does not build, Terra runs the same lanes in Python, the same numbers, slower.
-    ext_modules=[Extension("terra._native", ["terra/_native.c"], optional=True)],
+    ext_modules=[Extension("terra._native",
+                           ["terra/_native_door.c", "terra/_native_twin.c",
+                            "terra/_native_follow.c"],
+                           depends=["terra/_native.h"], optional=True)],
     install_requires=["numpy", "gast>=0.5"],
     extras_require={
         "cpu": [f"tensorflow-cpu=={TF}"],

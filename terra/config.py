@@ -121,8 +121,8 @@ class Config:
       native: (``TERRA_NATIVE``, on by default) the co-execution door and the lanes of its
         common forms run in C (``terra._native``, built at install where a C compiler is;
         ``terra.lanes``). Off, or where it was not built, the same lanes run in Python:
-        the same ops answered the same way, each a few microseconds slower. Read when a
-        graph's runner starts co-executing.
+        the same ops answered the same way, each a few microseconds slower. Read when the
+        runtime makes its co-execution door and when a lane is built.
     """
 
     disable: bool = False

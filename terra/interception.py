@@ -47,9 +47,9 @@ ORIGINAL_CLEAR_SCALARS = pywrap_tfe.TFE_ClearScalarCache
 # EagerTensor._id -> the Python scalar (int, float, bool), the (dtype string, shape, bytes)
 # of the small numeric numpy array (the axes ``tf.reduce_sum(x)`` makes at every call), or
 # the value_key of the small list or tuple of scalars (a shape, split sizes), the owning
-# thread converted to
-# that tensor while a handler was set; emptied at each iteration's start. A float zero is
-# noted as the zero TF's cache of converted scalars holds for it, "+0.0" or "-0.0" (below).
+# thread converted to that tensor while a handler was set; emptied at each iteration's
+# start. A float zero is noted as the zero TF's cache of converted scalars holds for it,
+# "+0.0" or "-0.0" (below).
 converted: dict = {}
 # TF converts a Python scalar through a cache keyed by its value, its dtype asked for, the
 # context and the device, where 0.0 and -0.0 are one key: the zero converted first is the

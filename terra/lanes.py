@@ -21,12 +21,12 @@ the step's constants bound as its defaults. Lanes of one form (input kinds, outp
 share one compiled factory, so a program compiles a handful, however many ops it has;
 ``Lane.source`` is the code a lane runs, to read.
 
-A lane of a common form (inputs from stand-ins, constants or the same tensor; one output,
-returned as it is; no feed, fetch or path end: :func:`_twin`) also gets a native twin in
-``terra._native``, which the C door (``doors.CoexecDoor``) runs for it: the same checks in
-the same order and the same stand-in, entry and record, or, before anything was done, a
-deferral to this lane. The twin answers only where this lane would answer without writing a
-memo; the rest (a Python value never seen, an array, a shape never seen) is this lane's.
+A lane of a common form (inputs from stand-ins, constants or the same tensor, none fed or
+read again; not the path's end: :func:`_twin`) also gets a native twin in ``terra._native``,
+which the C door (``doors.CoexecDoor``) runs for it: the same checks in the same order and
+the same stand-ins, entries and record, or, before anything was done, a deferral to this
+lane. The twin answers only where this lane would answer without writing a memo; the rest
+(a Python value never seen, an array, a shape never seen) is this lane's.
 
 Lanes are the runner's own table, like its other memos: the plan is only read.
 """
@@ -167,7 +167,7 @@ def _twin(runner, step, form, attrs, plan, bound, by_shapes, sources):
                        runner.visits if fetch else None, check)
 
 
-_MAX = 8  # terra/_native.c's MAX_INPUTS and MAX_OUTPUTS
+_MAX = 8  # MAX_INPUTS and MAX_OUTPUTS of terra/_native.h
 if native is not None:
     native.setup(ops.EagerTensor, Entry, Lane, LoggedOp, hooks.tensors, interception.converted,
                  interception.tapes_stopped, pack_fast)

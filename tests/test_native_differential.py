@@ -1,4 +1,4 @@
-"""The lanes' native twins (``terra/_native.c``): the C door answers an op along a lane of a
+"""The lanes' native twins (``terra/_native*.c``): the C door answers an op along a lane of a
 common form exactly as the Python lane would, and defers anything else to it. Each program
 runs eagerly and under Terra with the twins on and off, and must give eager's numbers both
 ways; with the twins on, they must have answered the ops of every form they know (else
