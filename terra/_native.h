@@ -57,30 +57,42 @@ set_slot(PyObject *o, Py_ssize_t off, PyObject *v)
     Py_XDECREF(old);
 }
 
+/* The objects an input's check reads, by its kind: NODE, the producer's step and which of
+ * its outputs; CONST, the Python lane's memos of the constant (LAST, DT, CONVERTS and CID in
+ * terra/lanes.py) and ``src``, the Python value a tensor was last found converted from among
+ * CONVERTS (which only grows: a literal of the user's code is that very object at every
+ * call); SAME, the tensor's id. One list for the struct, the GC's visit and the clear. */
+#define INPUT_OBJECTS(X) X(producer) X(out) X(last) X(dtype) X(converts) X(validated) \
+    X(src) X(id)
+
+#define DECLARE(field) PyObject *field;
+
 typedef struct {
     int kind;
-    int single;      /* NODE: the producer has one output, so the entry's ``out`` is not read */
-    PyObject *a, *b, *c, *d;  /* NODE: P, K; CONST: LAST, DT, CONVERTS, CID; SAME: ID */
-    /* CONST: the Python value a tensor was last found converted from among CONVERTS (which
-     * only grows): a literal of the user's code is that very object at every call */
-    PyObject *src;
+    int single;  /* NODE: the producer has one output, so the entry's ``out`` is not read */
+    INPUT_OBJECTS(DECLARE)
 } Input;
+
+/* A twin's objects: its Python lane's runner, step, attrs, memo of input shapes (shaped) or
+ * stand-ins' sources, the outputs' build-time values, the packing plan, the device, where
+ * the step's pass is noted (``seqs``) and its fetch visits counted (``visits``); and the
+ * twin of the lane into the step after this one (``runner.lanes`` has one value per step,
+ * never replaced) with its op type, once found there: the door then skips the lookup. */
+#define LANE_OBJECTS(X) X(runner) X(step) X(attrs) X(by_shapes) X(sources) X(values) X(plan) \
+    X(device) X(seqs) X(visits) X(next_op_type)
 
 typedef struct Lane {
     PyObject_HEAD
-    PyObject *runner, *step, *attrs, *by_shapes, *sources, *values, *plan, *device, *seqs,
-        *visits;
-    /* the native twin of the lane into the step after this one (``runner.lanes`` has one
-     * value per step, never replaced), and its op type, once found there: the door then
-     * skips the lookup */
+    LANE_OBJECTS(DECLARE)
     struct Lane *next;
-    PyObject *next_op_type;
     Py_ssize_t n, n_inputs, n_out, spread_j, spread_m;  /* spread_j < 0: an input an argument */
     int one;  /* the op's one output is its result (else ``fast_path.pack_fast`` packs them) */
     int check;  /* ``TERRA_CHECK``: a stand-in input's entry has its tensor's shape */
     Py_ssize_t answered;  /* ops it answered (the tests ask) */
     Input inputs[MAX_INPUTS];
 } Lane;
+
+#undef DECLARE
 
 extern PyTypeObject TwinType;  /* terra._native.Lane */
 

@@ -15,11 +15,11 @@ node_entry(PyObject *a, Input *in, PyObject *it)
     PyObject *e = PyDict_GetItemWithError(tensors, id);
     Py_DECREF(id);
     if (e == NULL || Py_TYPE(e) != EntryType || SLOT(e, o_iteration) != it ||
-        SLOT(e, o_step) != in->a)
+        SLOT(e, o_step) != in->producer)
         return NULL;
     if (!in->single) {
         PyObject *out = SLOT(e, o_out);
-        if (out == NULL || (out != in->b && PyObject_RichCompareBool(out, in->b, Py_EQ) != 1))
+        if (out == NULL || (out != in->out && PyObject_RichCompareBool(out, in->out, Py_EQ) != 1))
             return NULL;
     }
     return e;
@@ -32,7 +32,7 @@ node_entry(PyObject *a, Input *in, PyObject *it)
 static int
 const_ok(PyObject *a, Input *in)
 {
-    PyObject *last = in->a;
+    PyObject *last = in->last;
     if (Py_TYPE(a) == ET) {
         PyObject *id = PyObject_GetAttr(a, s_id);
         if (id == NULL)
@@ -44,7 +44,7 @@ const_ok(PyObject *a, Input *in)
         PyObject *src = PyDict_GetItemWithError(converted, id);
         if (src != NULL) {
             int known = src == in->src;
-            if (!known && PyDict_GetItemWithError(in->c, src) == (PyObject *)Py_TYPE(src)) {
+            if (!known && PyDict_GetItemWithError(in->converts, src) == (PyObject *)Py_TYPE(src)) {
                 known = 1;
                 Py_XSETREF(in->src, Py_NewRef(src));
             }
@@ -52,7 +52,7 @@ const_ok(PyObject *a, Input *in)
                 PyObject *dt = PyObject_CallMethodNoArgs(a, s_datatype_enum);
                 if (dt == NULL)
                     goto done;
-                int same = PyObject_RichCompareBool(dt, in->b, Py_EQ);
+                int same = PyObject_RichCompareBool(dt, in->dtype, Py_EQ);
                 Py_DECREF(dt);
                 if (same == 1) {
                     ok = 1;
@@ -63,7 +63,7 @@ const_ok(PyObject *a, Input *in)
         if (PyErr_Occurred())
             goto done;
         /* else the tensor validated last, by its id */
-        ok = PyObject_RichCompareBool(id, PyList_GET_ITEM(in->d, 0), Py_EQ) == 1;
+        ok = PyObject_RichCompareBool(id, PyList_GET_ITEM(in->validated, 0), Py_EQ) == 1;
     done:
         Py_DECREF(id);
         return ok;
@@ -246,7 +246,7 @@ twin_follow(Lane *self, PyObject *const *args, Py_ssize_t nargs, PyObject **resu
             PyObject *id = PyObject_GetAttr(a[i], s_id);
             if (id == NULL)
                 goto defer;
-            int ok = PyObject_RichCompareBool(id, in->a, Py_EQ) == 1 &&
+            int ok = PyObject_RichCompareBool(id, in->id, Py_EQ) == 1 &&
                      PyDict_Contains(tensors, id) == 0;
             Py_DECREF(id);
             if (!ok)

@@ -5,30 +5,30 @@
 static int
 lane_traverse(Lane *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->runner); Py_VISIT(self->step); Py_VISIT(self->attrs);
-    Py_VISIT(self->by_shapes); Py_VISIT(self->sources); Py_VISIT(self->values);
-    Py_VISIT(self->plan); Py_VISIT(self->device); Py_VISIT(self->seqs); Py_VISIT(self->visits);
-    Py_VISIT(self->next); Py_VISIT(self->next_op_type);
+#define VISIT(field) Py_VISIT(self->field);
+#define VISIT_INPUT(field) Py_VISIT(self->inputs[i].field);
+    LANE_OBJECTS(VISIT)
+    Py_VISIT(self->next);
     for (Py_ssize_t i = 0; i < self->n_inputs; i++) {
-        Py_VISIT(self->inputs[i].a); Py_VISIT(self->inputs[i].b);
-        Py_VISIT(self->inputs[i].c); Py_VISIT(self->inputs[i].d);
-        Py_VISIT(self->inputs[i].src);
+        INPUT_OBJECTS(VISIT_INPUT)
     }
+#undef VISIT
+#undef VISIT_INPUT
     return 0;
 }
 
 static int
 lane_clear(Lane *self)
 {
-    Py_CLEAR(self->runner); Py_CLEAR(self->step); Py_CLEAR(self->attrs);
-    Py_CLEAR(self->by_shapes); Py_CLEAR(self->sources); Py_CLEAR(self->values);
-    Py_CLEAR(self->plan); Py_CLEAR(self->device); Py_CLEAR(self->seqs); Py_CLEAR(self->visits);
-    Py_CLEAR(self->next); Py_CLEAR(self->next_op_type);
+#define CLEAR(field) Py_CLEAR(self->field);
+#define CLEAR_INPUT(field) Py_CLEAR(self->inputs[i].field);
+    LANE_OBJECTS(CLEAR)
+    Py_CLEAR(self->next);
     for (Py_ssize_t i = 0; i < self->n_inputs; i++) {
-        Py_CLEAR(self->inputs[i].a); Py_CLEAR(self->inputs[i].b);
-        Py_CLEAR(self->inputs[i].c); Py_CLEAR(self->inputs[i].d);
-        Py_CLEAR(self->inputs[i].src);
+        INPUT_OBJECTS(CLEAR_INPUT)
     }
+#undef CLEAR
+#undef CLEAR_INPUT
     return 0;
 }
 
@@ -128,17 +128,19 @@ lane_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         if (!PyArg_ParseTuple(PyList_GET_ITEM(inputs, i), "ii|OOOO", &in->kind, &in->single,
                               &a, &b, &c, &d))
             goto error;
-        in->a = Py_XNewRef(a); in->b = Py_XNewRef(b); in->c = Py_XNewRef(c);
-        in->d = Py_XNewRef(d);
         self->n_inputs = i + 1;
-        if (in->kind == CONST && !(a && PyList_Check(a) && PyList_GET_SIZE(a) == 5 && b &&
-                                   c && PyDict_Check(c) && d && PyList_Check(d) &&
-                                   PyList_GET_SIZE(d) == 1)) {
-            PyErr_SetString(PyExc_ValueError, "a constant's memos: LAST, DT, CONVERTS, CID");
-            goto error;
-        }
-        if ((in->kind == NODE && !(a && b)) || (in->kind == SAME && !a) ||
-            in->kind < NODE || in->kind > SAME) {
+        if (in->kind == NODE && a && b) {  /* (0, single, producer, out) */
+            in->producer = Py_NewRef(a);
+            in->out = Py_NewRef(b);
+        } else if (in->kind == CONST && a && PyList_Check(a) && PyList_GET_SIZE(a) == 5 && b &&
+                   c && PyDict_Check(c) && d && PyList_Check(d) && PyList_GET_SIZE(d) == 1) {
+            in->last = Py_NewRef(a);  /* (1, 0, LAST, DT, CONVERTS, CID) */
+            in->dtype = Py_NewRef(b);
+            in->converts = Py_NewRef(c);
+            in->validated = Py_NewRef(d);
+        } else if (in->kind == SAME && a) {  /* (2, 0, id) */
+            in->id = Py_NewRef(a);
+        } else {
             PyErr_SetString(PyExc_ValueError, "an input's check is malformed");
             goto error;
         }
