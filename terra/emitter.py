@@ -207,8 +207,8 @@ class Emitter:
     def _emit_mark(self, step, env, last_fetch):
         """A tape mark: nothing in the graph but what the graph tapes do with it."""
         what, attrs = step.op_type, step.attrs
-        if what == "enter":
-            self.tapes.enter(attrs)
+        if what in ("enter", "reenter"):
+            self.tapes.enter(attrs, again=what == "reenter")
         elif what == "exit":
             self.tapes.exit(attrs)
         elif what == "watch" and self.tapes.recording:

@@ -68,11 +68,13 @@ class LoggedPythonOp:
 
 @dataclasses.dataclass(slots=True)
 class LoggedMark:
-    """A tape enter, exit or watch of ``tape``."""
+    """A mark of ``tape`` (a library region's: None); ``variables``: for a watch, the
+    variable each input stands for, or None."""
 
     step: object
     inputs: list
     tape: object
+    variables: list = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -227,8 +229,8 @@ def _replay(log, recorder, tapes, customs):
         try:
             kind = type(logged)
             if kind is LoggedMark:
-                _replay_mark(step, [_real(x) for x in inputs], logged.tape, recorder)
-                if step.op_type == "enter":
+                _replay_mark(step, [_real(x) for x in inputs], logged, recorder)
+                if step.op_type in ("enter", "reenter"):
                     tapes.append(logged.tape)
                 elif step.op_type == "exit":
                     tapes.remove(logged.tape)
@@ -375,16 +377,18 @@ def _tensor(x, slot):
     return constant_op.constant(x, dtype=dtypes.as_dtype(slot.dtype))
 
 
-def _replay_mark(step, tensors, tape, recorder):
-    """A tape's enter, exit or watch; ``tape`` None: a library region's mark, only recorded."""
+def _replay_mark(step, tensors, logged, recorder):
+    """A tape's mark; a library region's (no tape) is only recorded."""
+    tape, what = logged.tape, step.op_type
     if tape is not None:
-        if step.op_type == "enter":
+        if what in ("enter", "reenter"):
             tape.enter_real()
-        elif step.op_type == "exit":
+        elif what == "exit":
             tape.exit_real()
-        else:
-            tape.real.watch(tensors)
-    recorder.mark(step.op_type, step.attrs, tensors)
+        elif what == "watch":  # the variable itself, as TF's tape watches it
+            tape.real.watch([t if v is None else v
+                             for t, v in zip(tensors, logged.variables or [None] * len(tensors))])
+    recorder.mark(what, step.attrs, tensors)
 
 
 def _replay_grad(logged, recorder):

@@ -66,7 +66,12 @@ class GraphTapes:
         outside a loop or switch-case)."""
         return not self._paused and any(live for _, _, live in self._open)
 
-    def enter(self, attrs):
+    def enter(self, attrs, again=False):
+        """A tape enter mark; ``again``: a tape entered again, whose regions are not taped
+        (``trace.taped``): a placeholder its exit mark closes."""
+        if again:
+            self._open.append([attrs, None, False])
+            return
         if attrs not in self._wanted:
             return
         if self._paused:  # entered inside a loop or switch-case: no region can use it
@@ -92,8 +97,9 @@ class GraphTapes:
         """A watch mark: the innermost tape entered with ``attrs`` watches ``tensors``."""
         for a, tape, _ in reversed(self._open):
             if a == attrs:
-                with _live():
-                    tape.watch(tensors)
+                if tape is not None:
+                    with _live():
+                        tape.watch(tensors)
                 return
 
     def called(self, node):

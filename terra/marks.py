@@ -31,18 +31,21 @@ class TapeMarks:
         self.runtime = runtime
 
     def enter(self, tape):
+        """A tape entered again before a gradient consumed it records on, as TF's does: its
+        ``reenter`` continues the iteration it was first entered in."""
         rt = self.runtime
-        if not rt.open_tapes:
+        what = "reenter" if tape.live else "enter"
+        if not rt.open_tapes and what == "enter":
             rt.next_iteration()
             rt.entry = entry_point(sys._getframe(1))  # the ``with`` of the iteration's tape
         rt.open_tapes.append(tape)
         attrs = tape.mark_attrs
         if rt.phase == "coexecution" and self.coexec(
-                lambda: rt.runner.mark("enter", attrs, (), tape)):
+                lambda: rt.runner.mark(what, attrs, (), tape)):
             return
         tape.enter_real()
         if rt.phase == "tracing":
-            rt.recorder.mark("enter", attrs)
+            rt.recorder.mark(what, attrs)
 
     def exit(self, tape, failed):
         rt = self.runtime
@@ -58,17 +61,36 @@ class TapeMarks:
         rt.open_tapes.remove(tape)
 
     def watch(self, tape, tensors):
-        # A watched variable is its handle, as TF's tape watches it (not a read of its value,
-        # which would leave the variable itself unwatched)
+        """The graph sees a watched variable as its handle (not a read of its value, which
+        would leave the variable itself unwatched); the real tape watches the variable, as
+        TF's does, so that ``watched_variables`` lists it."""
         rt = self.runtime
         handles = [handle_or_self(t) for t in tensors]
         if rt.phase == "coexecution" and self.coexec(
-                lambda: rt.runner.mark("watch", tape.mark_attrs, handles, tape)):
+                lambda: rt.runner.mark("watch", tape.mark_attrs, handles, tape,
+                                       [t if t is not h else None
+                                        for t, h in zip(tensors, handles)])):
             return
-        handles = [rt.tracing_door.real(t) if type(t) is _EagerTensor else t for t in handles]
-        tape.real.watch(handles)
+        real = rt.tracing_door.real
+        tensors = [real(t) if type(t) is _EagerTensor else t for t in tensors]
+        tape.real.watch(tensors)
         if rt.phase == "tracing":
-            rt.recorder.mark("watch", tape.mark_attrs, handles)
+            rt.recorder.mark("watch", tape.mark_attrs,
+                             [real(t) if type(t) is _EagerTensor else t for t in handles])
+
+    def watched_variables(self, tape):
+        """``tape.watched_variables()``, a query that changes nothing: the real tape answers
+        it, and a trace records its answer as a ``watched`` mark, which co-execution matches
+        and answers from (a library asks it in every call: tf_keras' ``Lambda``)."""
+        rt = self.runtime
+        if rt.phase == "coexecution":
+            answer = self.coexec(lambda: rt.runner.watched(tape.mark_attrs, tape))
+            if answer is not None:
+                return answer
+        answer = tape.real.watched_variables() if tape.real is not None else ()
+        if rt.phase == "tracing":
+            rt.recorder.mark("watched", (tape.mark_attrs, tuple(v.ref() for v in answer)))
+        return answer
 
     def gradient(self, tape, target, sources, output_gradients, unconnected):
         rt = self.runtime

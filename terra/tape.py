@@ -56,10 +56,21 @@ class TerraGradientTape(RealGradientTape):
         # that code poking at GradientTape internals finds a consistent, empty tape.
         super().__init__(persistent, watch_accessed_variables)
         self.mark_attrs = (bool(persistent), bool(watch_accessed_variables))
+        # TF's tape object, kept across ``with`` blocks as TF keeps its own: a tape entered
+        # again records on, until a gradient consumes it (non-persistent) or ``reset``. None
+        # while Terra serves the tape (co-execution) and before the first real enter.
         self.real = None
         self.plain = False  # acting as a plain tape for the current ``with``
+        self.recording = False  # as TF's ``_recording``: inside ``with``, not stopped or used
+        # entered and not yet consumed: entering it again continues its iteration's
+        # recording rather than starting the next iteration (``marks.TapeMarks.enter``)
+        self.live = False
+        self.entered = False  # entered at least once: its queries are Terra's to answer
 
     def __enter__(self):
+        if self.recording:  # TF's own error, before any state changes
+            raise ValueError("Tape is still recording, This can happen if you try to "
+                             "re-enter an already-active tape.")
         why = _why_plain()
         self.plain = why is not None
         if self.plain:
@@ -67,9 +78,11 @@ class TerraGradientTape(RealGradientTape):
             self.enter_real()
         else:
             runtime.get().marks.enter(self)
+        self.recording = self.live = self.entered = True
         return self
 
     def __exit__(self, typ, value, tb):
+        self.recording = False
         if self.plain:
             self.exit_real()
         else:
@@ -77,54 +90,96 @@ class TerraGradientTape(RealGradientTape):
         return False
 
     def watch(self, tensor):
-        if self.plain:
-            return self.real.watch(tensor)
-        runtime.get().marks.watch(self, nest.flatten(tensor))
+        # TF's validation and its errors (a NumPy array, a Python number), in every phase
+        flat = list(backprop._extract_tensors_and_variables(tensor))
+        if self.plain or not self.live:
+            return self._real_or_unentered().watch(flat)
+        runtime.get().marks.watch(self, flat)
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=UnconnectedGradients.NONE):
-        if self.plain:
-            return self.real.gradient(target, sources, output_gradients, unconnected_gradients)
+        if self.plain or not self.live:
+            with self._synced() as real:
+                return real.gradient(target, sources, output_gradients, unconnected_gradients)
+        if target is None:  # TF's argument errors, which leave the tape unused
+            if not self.persistent:
+                self.recording = False
+            raise TypeError("Argument `target` should be a list or nested structure of "
+                            "Tensors, Variables or CompositeTensors to be differentiated, "
+                            "but received None.")
+        try:
+            UnconnectedGradients(unconnected_gradients)
+        except ValueError:
+            raise ValueError(
+                f"Unknown value for unconnected_gradients: {unconnected_gradients!r}") from None
+        if not self.persistent:
+            self.recording = self.live = False
         return runtime.get().marks.gradient(self, target, sources, output_gradients,
                                             unconnected_gradients)
 
+    def watched_variables(self):
+        """A read-only query: served in every phase without leaving co-execution or spoiling
+        a trace (tf_keras' ``Lambda`` layers ask it at every call)."""
+        if self.plain or not self.entered:
+            return self._real_or_unentered().watched_variables()
+        return runtime.get().marks.watched_variables(self)
+
     # -- the rest of the GradientTape API: on the real tape, leaving co-execution first -----
+    def _real_or_unentered(self):
+        """The real tape, or for a tape never entered an unentered real one: TF's own answers
+        and errors (``watch`` before ``with``: TF's AttributeError)."""
+        return self.real if self.real is not None else RealGradientTape(
+            self.persistent, self.watch_accessed_variables)
+
+    @contextlib.contextmanager
     def _on_real(self, what):
         """The real tape, for a method the graph cannot serve: in co-execution the iteration
         falls back first (the replay re-enters the real tape), and the trace of an iteration
-        that used it is not merged (its ops are not one gradient region)."""
-        if not self.plain:
+        that used it is not merged (its ops are not one gradient region). Terra's view of the
+        tape follows the real one's after the call (a jacobian uses a non-persistent tape)."""
+        if self.live and not self.plain:
             runtime.get().marks.step_aside(self, what)
-        if self.real is None:
-            raise ValueError(f"GradientTape.{what} is only valid once the tape was entered")
-        return self.real
+        with self._synced() as real:
+            yield real
+
+    @contextlib.contextmanager
+    def _synced(self):
+        """The real tape (:meth:`_real_or_unentered`) for a call on it; after the call Terra's
+        view of the tape follows the real one's (a gradient or jacobian consumed it)."""
+        real = self._real_or_unentered()
+        try:
+            yield real
+        finally:
+            if real is self.real:
+                self.recording, self.live = real._recording, real._tape is not None
 
     def jacobian(self, target, sources, unconnected_gradients=UnconnectedGradients.NONE,
                  parallel_iterations=None, experimental_use_pfor=True):
-        return self._on_real("jacobian").jacobian(
-            target, sources, unconnected_gradients, parallel_iterations,
-            experimental_use_pfor)
+        with self._on_real("jacobian") as real:
+            return real.jacobian(target, sources, unconnected_gradients, parallel_iterations,
+                                 experimental_use_pfor)
 
     def batch_jacobian(self, target, source, unconnected_gradients=UnconnectedGradients.NONE,
                        parallel_iterations=None, experimental_use_pfor=True):
-        return self._on_real("batch_jacobian").batch_jacobian(
-            target, source, unconnected_gradients, parallel_iterations,
-            experimental_use_pfor)
+        with self._on_real("batch_jacobian") as real:
+            return real.batch_jacobian(target, source, unconnected_gradients,
+                                       parallel_iterations, experimental_use_pfor)
 
     @contextlib.contextmanager
     def stop_recording(self):
-        with self._on_real("stop_recording").stop_recording():
+        with self._on_real("stop_recording") as real, real.stop_recording():
+            self.recording = False
             yield
 
     def reset(self):
-        self._on_real("reset").reset()
-
-    def watched_variables(self):
-        return self._on_real("watched_variables").watched_variables()
+        with self._on_real("reset") as real:
+            real.reset()
 
     # -- used by the tape marks and the fallback's replay ---------------------------------
     def enter_real(self):
-        self.real = RealGradientTape(self.persistent, self.watch_accessed_variables)
+        """Enter the real tape; entered again, it records on (TF's tape object is kept)."""
+        if self.real is None:
+            self.real = RealGradientTape(self.persistent, self.watch_accessed_variables)
         self.real.__enter__()
 
     def exit_real(self):

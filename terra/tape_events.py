@@ -19,13 +19,27 @@ _EagerTensor = ops.EagerTensor
 class TapeEvents:
     """The PythonRunner's methods for tape events."""
 
-    def mark(self, what, attrs, tensors, extra):
+    def mark(self, what, attrs, tensors, tape, variables=()):
+        """A tape's (``tape``; None: a library region's) mark; ``variables``: for a watch, the
+        variable each handle in ``tensors`` stands for (None for a tensor), which a replay
+        has the real tape watch."""
         step = self._expect(NodeKind.MARK, what, lambda s: s.attrs == attrs)
         if step.attrs != attrs:
             raise Divergence(f"tape {what} with different settings", "attribute change")
         inputs = self.checks.inputs(self.it, step, list(tensors), feed=False)
-        self.it.log.append(LoggedMark(step, inputs, extra))
+        self.it.log.append(LoggedMark(step, inputs, tape, variables))
         self._logged_move(step, None)
+
+    def watched(self, attrs, tape):
+        """``tape.watched_variables()``: the answer the traces recorded at this point."""
+        step = self._expect(NodeKind.MARK, "watched", lambda s: s.attrs[0] == attrs)
+        if step.attrs[0] != attrs:
+            raise Divergence("tape watched_variables with different settings",
+                             "attribute change")
+        self.it.log.append(LoggedMark(step, [], tape))
+        answer = tuple(ref.deref() for ref in step.attrs[1])
+        self._logged_move(step, answer)
+        return answer
 
     def gradient(self, attrs, tensors, extra):
         """Validate a ``tape.gradient`` call and return stand-ins for its flat results."""

@@ -430,9 +430,9 @@ def taped(records, i):
     handles = {id(r.handle) for r in sources if type(r) is VarRef}
     source_ops = {r.index for r in sources if type(r) is OpRef}
     enter = max((j for j in range(i) if records[j].kind is NodeKind.MARK and
-                 records[j].op_type == "enter" and records[j].attrs == rec.attrs[0]),
-                default=None)
-    if enter is None:
+                 records[j].op_type in ("enter", "reenter") and
+                 records[j].attrs == rec.attrs[0]), default=None)
+    if enter is None or records[enter].op_type == "reenter":  # recorded in several blocks
         return False
     window_end = next((j for j in range(enter, i) if records[j].kind is NodeKind.MARK and
                        records[j].op_type == "exit" and records[j].attrs == rec.attrs[0]), i)
