@@ -16,6 +16,13 @@ def _env_flag(name: str, default: bool = False) -> bool:
     return value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _names(value) -> tuple:
+    """A list of module names or paths: a comma-separated string or any iterable."""
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(n.strip() for n in value if n.strip())
+
+
 _ACTIONS = ("raise", "warn")
 
 
@@ -123,6 +130,11 @@ class Config:
         ``terra.lanes``). Off, or where it was not built, the same lanes run in Python:
         the same ops answered the same way, each a few microseconds slower. Read when the
         runtime makes its co-execution door and when a lane is built.
+      user_code, library_code: (``TERRA_USER_CODE``, ``TERRA_LIBRARY_CODE``: comma-separated)
+        module names or paths whose code is the user's although installed (a framework of
+        the user's in site-packages), or a library's although not installed (a library
+        developed beside the program): where Terra draws the line between the user's code
+        and libraries (``terra.boundary``). Set before the training loop starts.
     """
 
     disable: bool = False
@@ -149,6 +161,8 @@ class Config:
     verify_action: str = "raise"
     commit: bool = True
     native: bool = True
+    user_code: tuple = ()
+    library_code: tuple = ()
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -173,6 +187,8 @@ class Config:
             verify_action=_action(os.environ.get("TERRA_VERIFY_ACTION", "raise")),
             commit=_env_flag("TERRA_COMMIT", default=True),
             native=_env_flag("TERRA_NATIVE", default=True),
+            user_code=_names(os.environ.get("TERRA_USER_CODE", "")),
+            library_code=_names(os.environ.get("TERRA_LIBRARY_CODE", "")),
         )
 
 
@@ -184,4 +200,12 @@ def configure(**switches):
     for name, value in switches.items():
         if not hasattr(config, name):
             raise TypeError(f"unknown Terra switch {name!r}")
-        setattr(config, name, _action(value) if name == "verify_action" else value)
+        if name == "verify_action":
+            value = _action(value)
+        elif name in ("user_code", "library_code"):
+            value = _names(value)
+        setattr(config, name, value)
+    if switches.keys() & {"user_code", "library_code"}:
+        from terra import boundary
+
+        boundary.forget()

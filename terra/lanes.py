@@ -37,12 +37,12 @@ import numpy as np
 from tensorflow.python.framework import ops
 
 from terra import hooks, interception
+from terra.boundary import GENERATED
 from terra.config import config
 from terra.divergence import GraphFailed
 from terra.fallback import LoggedOp
 from terra.fast_path import flatten, pack_fast
 from terra.interception import plain_scalars, value_key
-from terra.location import GENERATED
 from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
 from terra.trace import signature_part
@@ -194,7 +194,7 @@ def _factory(form):
     if made is None:
         source = _source(form)
         scope = dict(_GLOBALS)
-        name = f"{GENERATED}lane {len(_factories)}>"  # Terra's own frames (terra.location)
+        name = f"{GENERATED}lane {len(_factories)}>"  # Terra's own frames (terra.boundary)
         exec(compile(source, name, "exec"), scope)  # noqa: S102
         made = _factories[form] = (scope["make"], source)
     return made

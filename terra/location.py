@@ -1,7 +1,8 @@
 """Where an op was issued: the user's line for people, the executed location for merging.
 
-``Location`` (file, line, function of the first frame outside TF, Keras, numpy, stdlib and
-Terra) is what error messages, ``explain()`` and TraceGraph printing show.
+``Location`` (file, line, function of the first frame of the user's code, as
+``terra.boundary`` draws the line) is what error messages, ``explain()`` and TraceGraph
+printing show.
 
 A ``Site`` is the executed location the TraceGraph matches on (paper §3.2.2, Figure 3.3):
 
@@ -23,12 +24,12 @@ around the stack taken together. docs/architecture.md §3.10 has the measurement
 
 import dis
 import functools
-import importlib.util
 import inspect
-import os
 import sys
-import sysconfig
 from typing import NamedTuple
+
+from terra.boundary import is_internal as _is_internal
+from terra.boundary import is_library as _is_library
 
 
 class Location(NamedTuple):
@@ -45,64 +46,6 @@ Site = tuple[int, int]  # (interned call stack, occurrence in the iteration)
 # a frame of such code can be suspended, and resumed from another caller
 _RESUMABLE = (inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
               | inspect.CO_ITERABLE_COROUTINE)
-
-
-def _package_dirs(*names):
-    """The folders of the installed top-level packages ``names``, found without importing
-    them (importing Keras 3 into a tf_keras program costs seconds and pulls in scikit-learn)."""
-    dirs = []
-    for name in names:
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.origin:
-            dirs.append(os.path.realpath(os.path.dirname(spec.origin)) + os.sep)
-    return tuple(dirs)
-
-
-@functools.lru_cache(maxsize=1)
-def _library_dirs():
-    return _internal_dirs() + _package_dirs("keras", "numpy", "tf_keras") + (
-        os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep,)
-
-
-@functools.lru_cache(maxsize=1)
-def _internal_dirs():
-    """TF's and Terra's own code: the frames between an op's issuer and the op differ between
-    tracing (op callbacks) and co-execution (Terra's doors), so sites never include them."""
-    import tensorflow
-
-    tf_dir = os.path.dirname(os.path.dirname(tensorflow.__file__)) + os.sep + "tensorflow"
-    return (os.path.realpath(tf_dir) + os.sep,
-            os.path.realpath(os.path.dirname(os.path.abspath(__file__))) + os.sep)
-
-
-# the file name Terra compiles its own code under (``terra.lanes``): Terra's, not the user's
-GENERATED = "<terra "
-
-
-def _under(filename, dirs):
-    if filename.startswith("<"):
-        return filename.startswith(("<frozen", GENERATED))
-    head, tail = os.path.split(filename)
-    return os.path.join(_real_dir(head), tail).startswith(dirs)
-
-
-@functools.lru_cache(maxsize=1024)
-def _real_dir(path: str) -> str:
-    """A folder's real path: resolved once per folder (a few dozen), not once per file (a
-    traced step of TF-Agents' code first meets ~150 files: 8 ms of ``lstat``)."""
-    return os.path.realpath(path)
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_library(filename: str) -> bool:
-    return _under(filename, _library_dirs())
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_internal(filename: str) -> bool:
-    if filename.startswith("<"):
-        return filename.startswith(GENERATED)
-    return _under(filename, _internal_dirs())
 
 
 def user_location(frame=None) -> Location | None:
