@@ -120,7 +120,7 @@ class Exits:
             category, reason = "graph error", str(why)
         self.events.note(f"fallback [{category}]", reason, where)
         detour = (isinstance(why, Divergence) and category != "terra error"
-                  and self.lifecycle.keeps_graph(self.fallbacks_in_a_row))
+                  and self.lifecycle.keeps_graph(self.fallbacks_in_a_row, where))
         if isinstance(why, RegionMissed):
             self.lifecycle.fell_back_at(why.call)
         runner.it = None

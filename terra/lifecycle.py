@@ -40,6 +40,7 @@ class GraphLifecycle:
         # region): past config.fold_after, one region serves every path (terra.regions)
         self.region_misses = {}
         self.detoured = {}  # user file:line -> iterations that ran eagerly from there
+        self._recurring = False  # the last fallback's site took a detour before it
         self._missed = None  # the call this iteration fell back at, counted already
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
@@ -211,8 +212,12 @@ class GraphLifecycle:
     def _rebuild_allowed(self) -> bool:
         """Whether to build the graph again now (``Ledger.rebuild_allowed``). A graph built
         from two or more paths gets no free rebuild: its program draws its paths, and a
-        path it had not drawn yet is a detour until the budget affords the graph again."""
-        free = 0 if self._draws() else config.free_rebuilds
+        path it had not drawn yet is a detour until the budget affords the graph again;
+        unless the last fallback's site had taken a detour before, with co-executed
+        iterations in between: a path that comes back (a generator's step after its
+        critic's, every few iterations) is one of the program's own, which the graph should
+        serve rather than detour around forever. (Fallbacks in a row mean the path changed.)"""
+        free = 0 if self._draws() and not self._recurring else config.free_rebuilds
         return self.ledger.rebuild_allowed(self._stats.graph_generations - 1, free)
 
     def _draws(self) -> bool:
@@ -230,6 +235,7 @@ class GraphLifecycle:
         (the program stays eager)."""
         t0 = time.perf_counter()
         self._exploring = None
+        self._recurring = False
         self._built_from = self.census.paths(self.tracegraph.trips)
         try:
             relax_feeds(self.tracegraph.nodes)  # before the graph and its validation read them
@@ -297,7 +303,7 @@ class GraphLifecycle:
             self._pending.wait(config.timeout)
 
     # -- fallbacks ------------------------------------------------------------------------
-    def keeps_graph(self, fallbacks_in_a_row) -> bool:
+    def keeps_graph(self, fallbacks_in_a_row, where) -> bool:
         """Whether a fallback at a divergence keeps the graph: the iteration goes on eagerly
         from there, untraced, and the next one co-executes again (a detour). Taken where
         building the graph again for the new path would not pay (past the free rebuilds,
@@ -309,11 +315,12 @@ class GraphLifecycle:
         all but the last before ``config.max_fallbacks_in_a_row`` (which gives up): that
         one traces and waits for the budget, as the second of a graph of one path does."""
         in_a_row = config.max_fallbacks_in_a_row - 1 if self._draws() else 2
+        self._recurring = fallbacks_in_a_row == 1 and self.detoured.get(_at(where), 0) > 0
         return (fallbacks_in_a_row < in_a_row and self._stats.graph_generations > 0
                 and not self._rebuild_allowed())
 
     def note_detour(self, where):
-        at = f"{where.file}:{where.line}" if where else "?"
+        at = _at(where)
         first = at not in self.detoured
         self.detoured[at] = self.detoured.get(at, 0) + 1
         if first:
@@ -347,6 +354,11 @@ class GraphLifecycle:
                        "this gradient call was recorded for: the next graph takes TF's "
                        "gradient through the switch-cases there (terra.regions)",
                        self.tracegraph.region_location(key))
+
+
+def _at(where) -> str:
+    """A user's location as the detours are counted by: file:line."""
+    return f"{where.file}:{where.line}" if where else "?"
 
 
 def _cost_size(items, in_region):
