@@ -71,7 +71,7 @@ def test_python_examples_run(doc, tmp_path):
               if lang == "python" and not fragment]
     assert blocks, f"{doc} has no python example"
     done = subprocess.run([sys.executable, "-c", _RUNNER], input=json.dumps(blocks), text=True,
-                          capture_output=True, cwd=tmp_path, env=_env(), timeout=900)
+                          capture_output=True, cwd=tmp_path, env=_env(), timeout=420)
     assert done.returncode == 0, (
         f"an example of {doc} failed (the last '--- file:line' is the block):\n"
         f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}")
@@ -142,7 +142,7 @@ def test_named_modules_import():
              "    importlib.import_module(name + '.__main__' if spec.submodule_search_locations"
              " else name)\n")
     done = subprocess.run([sys.executable, "-c", check, *modules], capture_output=True,
-                          text=True, cwd=ROOT, env=_env(), timeout=600)
+                          text=True, cwd=ROOT, env=_env(), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
