@@ -1,4 +1,4 @@
-"""Layer regions: a call of a built-in Keras layer the skeleton skips, returning stand-ins.
+"""Layer regions: a call of a library's Keras layer the skeleton skips, returning stand-ins.
 
 After the optimizer update, the forward pass is where the co-executed Python spends its time:
 Keras' ``Layer.__call__`` resolves arguments, masks, dtypes and name scopes, then the layer's
@@ -13,16 +13,18 @@ returned (``PythonRunner.layer_call``); ``Layer.__call__`` is not run at all.
 Skipping Python is right only if it would have issued the same ops, so a call is guarded like
 a compiler guards a specialization:
 
-- the layer, and every layer inside it, is an instance of a Keras class (not a subclass the
-  user wrote, not ``Lambda`` or a preprocessing layer, whose Python is the user's or reads
-  data), with no activity regularizer and no function of the user's among its attributes
-  (an activation given as a Python function);
+- the layer, and every layer inside it, is an instance of a library's class (Keras 3's or
+  tf_keras', ``terra.keras_families``, or a layer library's built on them: where it is
+  installed says, ``terra.boundary``; not a subclass the user wrote, not ``Lambda`` or a
+  preprocessing layer, whose Python is the user's or reads data), with no activity
+  regularizer and no function of the user's among its attributes (an activation given as
+  a Python function);
 - its tensor arguments are the same producers as in the traces, with the shapes of a
   traced call or of a call of it that co-execution ran op by op (its ops validated with
   those shapes, it returned tensors of shapes Python then knows: a sequence length that
   changes per batch costs one call per length run op by op); its other arguments
-  (``training=True``) are equal; so is what Keras' call context passes down (the
-  ``training`` of an outer call) and the autocast scope;
+  (``training=True``) are equal; so is what Keras passes down (the ``training`` of an outer
+  call, the autocast scope, tf_keras' global learning phase: ``Family.scope``);
 - the Python attributes of the layer and of each layer inside it (numbers and strings by
   value, anything else by identity: ``Dropout.rate``, a sublayer replaced) are what they
   were when it was traced; a call that changes them itself (other than its first, which
@@ -37,11 +39,8 @@ subclass) runs as usual and its built-in sublayers are regions of their own.
 """
 
 import functools
-import importlib
-import inspect
 import itertools
 import operator
-import re
 import sys
 import threading
 import types
@@ -51,30 +50,27 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
-from terra import function_regions, interception, runtime
+from terra import boundary, function_regions, interception, runtime
+from terra.keras_families import FAMILIES
 from terra.library_regions import Watch, attributes, changed_names, flatten_call
 from terra.location import in_user_loop, user_location
 from terra.nodes import FUNCTION_TOKEN, ExtRef
 from terra.skips import Learn
 
 _EagerTensor = ops.EagerTensor
-_KERAS = "keras.src."
-# Keras classes whose Python is the user's or reads data: never a region.
-_EXCLUDED = ("keras.src.layers.core.lambda_layer", "keras.src.layers.preprocessing",
-             "keras.src.export", "keras.src.utils.jax_layer", "keras.src.utils.torch_utils")
-_LIBRARIES = ("keras.", "tensorflow.", "numpy", "builtins", "math")
 _installed = []
 
 
 def install():
-    """Wrap Keras 3's ``Layer.__call__`` if Keras 3 is imported already."""
-    module = sys.modules.get("keras.src.layers.layer")
-    if _installed or module is None:
-        return
-    cls = module.Layer
-    _installed.append(cls)
-    original = cls.__call__
+    """Wrap ``Layer.__call__`` of each Keras imported already (Keras 3, tf_keras)."""
+    for family in FAMILIES:
+        cls = family.layer_class()
+        if cls is not None and cls not in _installed:
+            _installed.append(cls)
+            cls.__call__ = _wrap(cls.__call__, family)
 
+
+def _wrap(original, family):
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
         rt = runtime.current()
@@ -82,9 +78,9 @@ def install():
                 rt.regions.depth or not context.executing_eagerly() or \
                 rt.owner != threading.get_ident():
             return original(self, *args, **kwargs)
-        return rt.layers.call(rt, original, self, args, kwargs)
+        return rt.layers.call(rt, original, self, args, kwargs, family)
 
-    cls.__call__ = __call__
+    return __call__
 
 
 class _State:
@@ -114,13 +110,13 @@ class LayerRegions:
         self.skipped_functions = 0
         self._states = weakref.WeakKeyDictionary()
 
-    def call(self, rt, original, layer, args, kwargs):
+    def call(self, rt, original, layer, args, kwargs, family):
         # one line calls a layer that is no region: the ops its call issues are located by
         # their call stack, which must be the same in every iteration. A call in a loop's
         # body is none (a loop's trips are rolled into one While only if they are ops
         # alike), unless the loop is over layers and this one is in the trip's layer
         guard = None if in_user_loop(sys._getframe(2), rt.entry, _holds(layer)) else \
-            self._region_guard(rt, layer, args, kwargs)
+            self._region_guard(rt, layer, args, kwargs, family)
         if guard is None:
             return original(layer, *args, **kwargs)
         state, before, attrs, tensors = guard
@@ -129,7 +125,7 @@ class LayerRegions:
             if err is not None:  # own failure on the way: no more regions for the layer)
                 state.off = f"Terra error {type(err).__name__}"
                 return False
-            self._after(layer, state, before)
+            self._after(layer, state, before, family)
             return state.off is None
 
         self.depth += 1
@@ -163,19 +159,19 @@ class LayerRegions:
         finally:
             self.depth -= 1
 
-    def _region_guard(self, rt, layer, args, kwargs):
+    def _region_guard(self, rt, layer, args, kwargs, family):
         """None if this call is no region, else (state, attributes, attrs, tensors)."""
         state = self._states.get(layer)
         if state is None:
             state = self._states[layer] = _State(None)
-            why = _ineligible(layer)
-            if why is not None and type(layer).__module__.startswith(_KERAS):
-                self._off(layer, state, why)  # a Keras layer: say why it runs its Python
+            why = _ineligible(layer, family)
+            if why is not None and not family.excludes(type(layer)):
+                self._off(layer, state, why)  # a library's layer: say why it runs its Python
             state.off = why
         if state.off is not None:
             return None
         try:
-            guard = self._guard(layer, state, args, kwargs)
+            guard = self._guard(layer, state, args, kwargs, family)
         except Exception as err:  # noqa: BLE001 - Terra's own failure: the call runs as usual
             rt.fail_safe(err)
             state.off = f"Terra error {type(err).__name__}"
@@ -230,19 +226,19 @@ class LayerRegions:
             rt.runner.learn(learn, found, returned)
         return outputs
 
-    def _guard(self, layer, state, args, kwargs):
+    def _guard(self, layer, state, args, kwargs, family):
         """Before a call: None if it is no region (and why, noted once), else the layer's
         attributes, the call mark's attrs and its tensors."""
         if not layer.built:  # its first call builds it: variables made, no region
             return None
-        before = _attributes(layer, state.last)
+        before = _attributes(layer, family, state.last)
         if state.last is not None and before != state.last:
             return self._off(layer, state, "its Python attributes changed between two calls: "
                              + _changed(layer, state.last, before))
         tensors, leaves = flatten_call(args, kwargs)
         if leaves is None:
             return self._off(layer, state, "an argument is neither a tensor nor a number")
-        scope = _call_scope(layer)
+        scope = family.scope(layer)
         if scope is None:
             return self._off(layer, state, "it is called inside a stateless scope")
         # the attributes are not in the attrs: any change since the last call turns the
@@ -250,14 +246,14 @@ class LayerRegions:
         return before, (f"{type(layer).__qualname__}.__call__", state.token, leaves, scope), \
             tensors
 
-    def _after(self, layer, state, before):
+    def _after(self, layer, state, before, family):
         """The call ran: one that changed the layer's attributes (after its first call,
         which builds it) or added a loss turns its regions off."""
-        after = _attributes(layer, before)
+        after = _attributes(layer, family, before)
         if state.last is not None and after != before:
             self._off(layer, state, "the call changed its Python attributes: "
                       + _changed(layer, before, after))
-        elif any(sub._losses for sub in layer._flatten_layers()):
+        elif any(family.losses(sub) for sub in layer._flatten_layers()):
             self._off(layer, state, "its call added a loss")
         state.last = after
 
@@ -287,23 +283,28 @@ def _holds(layer):
     return holds
 
 
-def _ineligible(layer):
+def _ineligible(layer, family):
     """Why ``layer``'s calls cannot be regions, or None."""
     for sub in layer._flatten_layers():
         cls = type(sub)
-        module = cls.__module__
-        if not module.startswith(_KERAS) or module.startswith(_EXCLUDED):
-            return f"{module}.{cls.__qualname__} is not Keras' own layer class"
-        if not getattr(cls.call, "__module__", "").startswith(_KERAS):
-            return f"{cls.__qualname__}.call is not Keras' own"
+        if family.excludes(cls):
+            return f"{cls.__module__}.{cls.__qualname__} is not a library's layer class"
+        if not _library_code(cls.call):
+            return f"{cls.__qualname__}.call is not a library's"
         if getattr(sub, "activity_regularizer", None) is not None:
             return f"{sub.name!r} has an activity regularizer"
         for name, value in vars(sub).items():
             if isinstance(value, (types.FunctionType, types.MethodType)) and \
-                    not getattr(value, "__module__", "").startswith(_LIBRARIES) and \
-                    getattr(value, "__self__", None) is not sub:
+                    not _library_code(value) and getattr(value, "__self__", None) is not sub:
                 return f"{sub.name!r}.{name} is a function of the user's"
     return None
+
+
+def _library_code(function) -> bool:
+    """Whether ``function``'s Python is a library's (``terra.boundary``); one without
+    Python code (a builtin) is."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    return code is None or boundary.is_library(code.co_filename)
 
 
 class _Attributes:
@@ -322,7 +323,7 @@ class _Attributes:
     __hash__ = None
 
 
-def _attributes(layer, seen=None):
+def _attributes(layer, family, seen=None):
     """The Python attributes of ``layer`` and of every layer inside it (but a model's
     training-loop state, which its ``call`` does not read: ``fit`` changes it every epoch).
     ``seen`` (attributes computed before) is returned itself where the same layers and the
@@ -331,22 +332,11 @@ def _attributes(layer, seen=None):
     if seen is not None and len(layers) == len(seen.layers) and \
             all(map(operator.is_, layers, seen.layers)) and seen.watch.unchanged():
         return seen
-    trainer = _trainer_state()
+    trainer = family.trainer_state
     watch = Watch()
     value = tuple(tuple(a for a in attributes(sub, watch=watch) if a[0] not in trainer)
                   for sub in layers)
     return _Attributes(value, layers, watch)
-
-
-@functools.cache
-def _trainer_state():
-    """The attributes Keras' trainer sets on a model (``self.<name> = ...`` in its
-    modules): ``stop_training``, ``history``, the compiled step functions, the iterators."""
-    names = set()
-    for module in ("keras.src.trainers.trainer", "keras.src.backend.tensorflow.trainer"):
-        source = inspect.getsource(importlib.import_module(module))
-        names.update(re.findall(r"\bself\.(\w+)\s*=(?!=)", source))
-    return frozenset(names)
 
 
 def _changed(layer, old, new):
@@ -355,22 +345,6 @@ def _changed(layer, old, new):
                      zip(layer._flatten_layers(), old.value, new.value, strict=False)
                      if a != b) or \
         "its layers"
-
-
-def _call_scope(layer):
-    """What Keras passes down to the call besides its arguments: the call context's values
-    of the arguments it propagates (``training``) and the autocast scope's dtype. None
-    inside a stateless scope (its variables are not the layer's)."""
-    from keras.src import backend
-    from keras.src.backend.common import global_state
-
-    if backend.in_stateless_scope():
-        return None
-    ctx = global_state.get_global_attribute("current_call_ctx")
-    passed = () if ctx is None else tuple(
-        (name, ctx.get_value(name)) for name in sorted(layer._call_context_args))
-    autocast = backend.get_autocast_scope()
-    return passed, None if autocast is None else str(autocast.dtype)
 
 
 def _encode(outputs, arguments):
