@@ -44,7 +44,7 @@ def relax(shape, new):
     """The most specific shape (None: unknown dim or rank) that both shapes satisfy."""
     if shape == new:
         return shape
-    if shape is None or len(shape) != len(new):
+    if shape is None or new is None or len(shape) != len(new):
         return None
     return tuple(a if a == b else None for a, b in zip(shape, new))
 

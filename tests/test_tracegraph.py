@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from terra.location import Location
-from terra.nodes import ExtRef, NodeKind, OpRef, SlotKind, VarRef, relax_feeds
+from terra.nodes import ExtRef, NodeKind, OpRef, SlotKind, VarRef, relax, relax_feeds
 from terra.trace import OpRecord
 from terra.tracegraph import TraceGraph
 
@@ -298,3 +298,10 @@ def test_fed_inputs_keep_their_shapes_where_no_input_varied():
         graph.merge([op("Abs", ext(np.full((100,), float(step))))])
     relax_feeds(graph.nodes)
     assert [s.shape for n in graph.nodes for s in n.inputs] == [(100,)], str(graph)
+
+
+def test_relax_takes_an_unknown_rank_on_either_side():
+    assert relax((2, 3), (2, 4)) == (2, None)
+    assert relax((2, 3), None) is None  # a phi whose later producer has an unknown rank
+    assert relax(None, (2, 3)) is None
+    assert relax((2, 3), (2, 3, 1)) is None
