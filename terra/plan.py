@@ -50,8 +50,8 @@ class Step:
         self.cone_phis = ()
         # GRAD: (channels of its backward ops' feed inputs, {iteration signature: values})
         self.backward_feeds = None
-        if node is None:  # the start of the iteration
-            self.kind = NodeKind.START
+        if node is None:  # the start of the iteration (named so in waits and messages)
+            self.kind, self.op_type = NodeKind.START, "the iteration's start"
             return
         self.kind = node.kind
         self.op_type = node.op_type
@@ -87,7 +87,7 @@ class Step:
 
 def where(step):
     """The user's line that issued ``step``'s op, for messages."""
-    loc = step.node.location
+    loc = step.node.location if step.node is not None else None
     return f"{loc.file}:{loc.line}" if loc else "unknown location"
 
 
