@@ -225,15 +225,24 @@ def _ineligible(opt, region):
     return None
 
 
+# What TF's checkpointing keeps on every trackable object (``Trackable``'s ``_self_*``: the
+# update uid a save or restore bumps; tf_keras' optimizer's view of its children, made at the
+# first save): no op reads them, and a checkpoint saved between two steps changes them.
+_BOOKKEEPING = ("_self_", "_coalesced_children")
+
+
 def attributes(obj, nested=True, watch=None):
     """The Python attributes of ``obj`` a region's ops may depend on: plain values by value,
     containers by identity and length, anything else by identity (a schedule of the library's
-    also by its own attributes). ``watch`` (a :class:`Watch`) is told what was read."""
+    also by its own attributes), checkpoint bookkeeping aside. ``watch`` (a :class:`Watch`)
+    is told what was read."""
     d = vars(obj)
     if watch is not None:
         watch.bindings.append((d, tuple(d), tuple(d.values())))
     parts = []
     for name, value in d.items():
+        if name.startswith(_BOOKKEEPING):
+            continue
         kind = type(value)
         if kind in _PLAIN:
             parts.append((name, value))
