@@ -90,6 +90,12 @@ class Ledger:
     coexecuted: list = dataclasses.field(default_factory=list)
     # iterations that began in the graph: co-executed, or fell back (a detour among them)
     in_graph: list = dataclasses.field(default_factory=list)
+    # the same in the process's CPU seconds, which a busy machine moves far less than wall
+    # time (other processes' work is not ours): eager's, and the iterations in the graph
+    eager_cpu: list = dataclasses.field(default_factory=list)
+    in_graph_cpu: list = dataclasses.field(default_factory=list)
+    judged_from: int = 0  # co-executed iterations before the last pause (:meth:`pause`)
+    pauses: int = 0
     spent: float = 0.0
     saved: float = 0.0
     iterations: int = 0
@@ -136,11 +142,17 @@ class Ledger:
         ref = statistics.median(self.eager)
         return min(ref, min(self.traced)) if self.traced else ref
 
-    def iteration(self, kind: str, seconds: float, site: str | None = None):
+    def iteration(self, kind: str, seconds: float, site: str | None = None,
+                  cpu: float | None = None):
         """Book one finished iteration: ``eager`` (warm-up or given up), ``traced``,
         ``instantiating`` (eager while TF instantiates the graph in the background: what it
-        took over eager is the contention), ``coexecuted`` or ``fell back`` (at ``site``)."""
+        took over eager is the contention), ``coexecuted`` or ``fell back`` (at ``site``);
+        ``cpu``: the process's CPU seconds in it, if measured."""
         self.iterations += 1
+        if cpu is not None and kind == "eager":
+            self.eager_cpu.append(cpu)
+        elif cpu is not None and kind in ("coexecuted", "fell back"):
+            self.in_graph_cpu.append(cpu)
         if site is not None:
             ref = self.reference() or 0.0
             entry = self.sites.setdefault(site, [0, 0.0])
@@ -236,12 +248,21 @@ class Ledger:
         return debt <= self.budget * ref * self.iterations
 
     def faster(self) -> bool:
-        """Whether recent iterations run in the graph beat eager's time. Those that fell
-        back count too: a graph kept while one site keeps failing (a detour) must earn
-        more in the iterations it serves than the detours cost."""
+        """Whether recent iterations run in the graph beat eager's, in wall time or in the
+        process's CPU time: not faster takes both to say so, so that a noisy minute (other
+        processes taking the cores: wall time grows, CPU time does not) is no evidence,
+        nor is co-execution's overlap of two threads (wall time falls, CPU time need not).
+        Iterations that fell back count too: a graph kept while one site keeps failing (a
+        detour) must earn more in the iterations it serves than the detours cost."""
         ref = self.reference()
         recent = self.in_graph[-self.window:]
-        return ref is not None and bool(recent) and statistics.median(recent) < ref
+        if ref is None or not recent:
+            return False
+        if statistics.median(recent) < ref:
+            return True
+        cpu = self.in_graph_cpu[-self.window:]
+        return bool(self.eager_cpu) and len(cpu) == len(recent) and \
+            statistics.median(cpu) < statistics.median(self.eager_cpu)
 
     def verdict(self):
         """Why Terra should stop and run eagerly, or None to go on."""
@@ -250,13 +271,23 @@ class Ledger:
             return None
         allowed = self.budget * ref * self.iterations
         net = self.spent - self.saved
-        judged = len(self.coexecuted) >= self.window  # co-execution had its chance
+        # co-execution had its chance (since the last pause)
+        judged = len(self.coexecuted) - self.judged_from >= self.window
         if net > allowed and judged and not self.faster():
             return (f"Terra spent {self.spent:.2f}s over eager (tracing, graph generation, "
                     f"fallbacks) and earned {self.saved:.2f}s back in {self.iterations} "
                     f"iterations of ~{ref * 1e3:.1f} ms; its co-executed iterations are not "
                     "faster than eager, so it would not earn the rest back")
         return None
+
+    def pause(self):
+        """After a :meth:`verdict`: Terra runs eagerly, and tries again once the run is long
+        enough for the budget to afford another graph (:meth:`affordable`), judged on the
+        iterations of that attempt alone. A slow minute costs a pause, not the run."""
+        self.pauses += 1
+        self.judged_from = len(self.coexecuted)
+        self.in_graph.clear()
+        self.in_graph_cpu.clear()
 
     def __str__(self):
         ref = self.reference()

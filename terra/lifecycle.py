@@ -26,6 +26,11 @@ class GiveUp(Exception):
     ``explain()`` gives this reason."""
 
 
+class Pause(GiveUp):
+    """Co-execution does not pay now (``Ledger.verdict``): the runtime runs eagerly, and
+    traces again once the budget affords another graph (``waiting``)."""
+
+
 class GraphLifecycle:
     """The TraceGraph, the ledger and the decisions taken from them, for one runtime.
 
@@ -62,11 +67,12 @@ class GraphLifecycle:
     def begin_iteration(self):
         self._missed = None
 
-    def book(self, began, judge):
+    def book(self, began, judge, cpu_began=None):
         """Enter the iteration that just ended in the cost ledger, less the time generating
         a graph took in it. ``began``: ``(phase, start time, site it fell back at or False)``,
-        or None if none began. With ``judge`` (Terra was tracing or co-executing), raise
-        :class:`GiveUp` if Terra is not earning back what it costs (``terra.budget``)."""
+        or None if none began; ``cpu_began``: the process's CPU time then. With ``judge``
+        (Terra was tracing or co-executing), raise :class:`Pause` if Terra is not earning
+        back what it costs (``terra.budget``)."""
         if began is not None:
             phase, start, fell = began
             kind = ("fell back" if fell else "eager" if phase in _EAGER_PHASES else
@@ -75,12 +81,14 @@ class GraphLifecycle:
             # a traced iteration is an eager one plus recording: its callback's share is not
             # eager's time (the ledger takes traced iterations for a bound of eager's)
             extra = self._generation_time + (self._recording if kind == "traced" else 0.0)
+            cpu = None if cpu_began is None else time.process_time() - cpu_began - extra
             self.ledger.iteration(kind, time.perf_counter() - start - extra,
-                                  site=fell if fell else None)
+                                  site=fell if fell else None, cpu=cpu)
         self._generation_time = self._recording = 0.0
         verdict = self.ledger.verdict() if judge else None
         if verdict is not None:
-            raise GiveUp(verdict)
+            self.ledger.pause()
+            raise Pause(verdict)
 
     # -- traces ---------------------------------------------------------------------------
     @profiling.traced("terra_merge")

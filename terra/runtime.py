@@ -49,7 +49,7 @@ from terra.divergence import (
 from terra.doors import CoexecDoor, TracingDoor
 from terra.exits import Exits
 from terra.graph_runner import GraphRunner, Job, Watchdog
-from terra.lifecycle import GiveUp, GraphLifecycle
+from terra.lifecycle import GiveUp, GraphLifecycle, Pause
 from terra.location import Sites
 from terra.marks import TapeMarks
 from terra.python_runner import Iteration, PythonRunner
@@ -107,6 +107,7 @@ class Runtime(Exits):
         self.fallbacks_in_a_row = 0  # since the last co-executed iteration
         self.lifecycle = GraphLifecycle(self.stats, self.events.note)
         self._began = None  # (phase, start time, site it fell back at or False): this iteration
+        self._cpu_began = None  # the process's CPU time when it began
         self._clocks = Clocks()  # the co-executed iteration's wall and CPU times
         self.span = profiling.Phase()  # the profiler's span of the phase under way
         self.syncs = syncs.SyncLog()  # where Python waited for the graph (explain())
@@ -160,13 +161,16 @@ class Runtime(Exits):
         """Enter the iteration that just ended in the cost ledger; stop if Terra is not
         earning back what it costs (``terra.budget``)."""
         try:
-            self.lifecycle.book(self._began, judge=self.phase in ("tracing", "coexecution"))
+            self.lifecycle.book(self._began, judge=self.phase in ("tracing", "coexecution"),
+                                cpu_began=self._cpu_began)
+        except Pause as why:
+            self._pause(str(why))
         except GiveUp as why:
             self._give_up(str(why))
         self._began = None
 
     def _begin_iteration(self):
-        began = time.perf_counter()
+        began, self._cpu_began = time.perf_counter(), time.process_time()
         self.lifecycle.begin_iteration()
         self.sites.begin_iteration()
         s = self.stats
@@ -246,6 +250,7 @@ class Runtime(Exits):
         if self._began is not None:
             phase, start, fell = self._began
             self._began = (phase, start + self.stats.verify_time - spent, fell)
+            self._cpu_began += self.stats.verify_time - spent
         if difference is not None:
             self._give_up(f"verify mode: {difference}")
             verify.report(difference)
@@ -330,6 +335,15 @@ class Runtime(Exits):
         if config.freeze_gc:  # what tracing and generation left behind is not walked again
             gc.collect(1)
             gc.freeze()
+
+    def _pause(self, reason):
+        """Co-execution does not pay now: run eagerly, and trace again once the budget
+        affords another graph (``Ledger.pause``)."""
+        self.events.note("paused", reason + ": running eagerly, and trying again once the "
+                         "run is long enough for the budget to afford another graph")
+        self.graph = None
+        self.phase = "waiting"
+        interception.set_handler(self.tracing_door)
 
     def _give_up(self, reason):
         self.unsupported = reason

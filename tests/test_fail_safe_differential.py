@@ -236,12 +236,13 @@ def test_over_budget_and_not_faster_runs_eagerly_with_eager_numbers(monkeypatch)
 
     booked = budget.Ledger.iteration
 
-    def as_slow_as_eager(self, kind, seconds, site=None):
-        """Co-executed iterations booked at eager's time: they neither save nor are faster
-        (however fast this machine and this Terra make them)."""
+    def as_slow_as_eager(self, kind, seconds, site=None, cpu=None):
+        """Co-executed iterations booked at eager's time, wall and CPU: they neither save
+        nor are faster (however fast this machine and this Terra make them)."""
         if kind == "coexecuted" and self.reference() is not None:
             seconds = self.reference()
-        return booked(self, kind, seconds, site)
+            cpu = max(self.eager_cpu, default=cpu)
+        return booked(self, kind, seconds, site, cpu)
 
     def program(tape_cls, steps):
         if tape_cls is terra.TerraGradientTape:
@@ -253,8 +254,32 @@ def test_over_budget_and_not_faster_runs_eagerly_with_eager_numbers(monkeypatch)
             terra.configure(budget=float("inf"), min_saving=0.05)
 
     outcome = assert_same_as_eager(program, 14, max_traces=2)
-    assert outcome.stats.phase == "eager" and outcome.stats.coexecuted == 5, outcome.report()
+    # paused, not given up: it would trace again once the budget (none here) affords a graph
+    assert outcome.stats.phase == "waiting" and outcome.stats.coexecuted == 5, outcome.report()
     assert "would not earn the rest back" in outcome.explain, outcome.report()
+    assert "paused" in outcome.explain, outcome.report()
+
+
+def test_a_busy_minute_is_no_evidence_against_coexecution():
+    """Wall time of the iterations in the graph grew (another process took the cores), their
+    CPU time did not: still faster. Slower in both: not faster, and after a pause the next
+    attempt is judged on its own iterations."""
+    from terra.budget import Ledger
+
+    ledger = Ledger(budget=0.0, window=3)
+    ledger.iteration("eager", 0.010, cpu=0.010)
+    ledger.iteration("traced", 0.020, cpu=0.020)
+    ledger.generation(0.1)
+    for _ in range(3):
+        ledger.iteration("coexecuted", 0.025, cpu=0.006)
+    assert ledger.faster() and ledger.verdict() is None
+    for _ in range(3):
+        ledger.iteration("coexecuted", 0.025, cpu=0.012)
+    assert not ledger.faster() and ledger.verdict() is not None
+    ledger.pause()
+    assert ledger.verdict() is None  # the next attempt has not had its chance yet
+    ledger.iteration("coexecuted", 0.004, cpu=0.004)
+    assert ledger.faster()
 
 
 def test_ledger_reference_is_bounded_by_traced_iterations():
