@@ -79,3 +79,43 @@ def test_a_row_is_the_median_of_paired_runs_and_every_pair_must_match(monkeypatc
     assert order == ["eager", "terra", "terra", "eager", "eager", "terra"]
     assert row["ratio"] == 2.0 and row["eager_sps"] == 5.0
     assert not row["match"]
+
+
+def test_step_times_give_the_ratios_over_eager_and_tf_function(monkeypatch):
+    """The function mode joins each set (the order reversed from set to set); "x eager" and
+    "x tf.function" are the baselines' median second-half step times over Terra's, each taken
+    within its set; a program without ``step_function`` shows n/a, not a number."""
+    from benchmarks.corpus import driver
+
+    # per mode, the step times of each of two sets: only the second half counts
+    times = {"eager": iter([[9.0, 0.4, 0.4, 0.4], [9.0, 0.6, 0.6, 0.6]]),
+             "terra": iter([[9.0, 9.0, 0.1, 0.1], [9.0, 9.0, 0.2, 0.2]]),
+             "function": iter([[9.0, 0.1, 0.05, 0.05], [9.0, 0.1, 0.1, 0.1]])}
+    order = []
+
+    def fake_run_child(program, mode, steps, seed, scratch, timeout):
+        order.append(mode)
+        step_s = next(times[mode])
+        return dict(mode=mode, steps=steps, total_s=sum(step_s), second_half_s=sum(step_s[2:]),
+                    second_half_steps=2, step_s=step_s, losses=[1.0], stats={"traces": 2})
+
+    monkeypatch.setattr(driver, "run_child", fake_run_child)
+    monkeypatch.setattr(driver, "compare", lambda eager, terra: driver.Comparison(True, ""))
+    row = driver.run_program("vae", 4, repeats=2, function=True)
+    assert order == ["eager", "terra", "function", "function", "terra", "eager"]
+    assert row["terra_step_ms"] == pytest.approx(150.0)
+    assert row["x_eager"] == pytest.approx(3.5)  # the median of 400/100 and 600/200
+    assert row["x_function"] == pytest.approx(0.5)  # of 50/100 and 100/200
+    assert row["function"] == "ran"
+    assert "| 500.00 | 75.00 | 150.00 | 3.50 | 0.50 |" in driver.table([row])
+
+    def unsupported(program, mode, steps, seed, scratch, timeout):
+        if mode == "function":
+            return dict(mode=mode, unsupported="the program has no step_function()")
+        return fake_run_child(program, mode, steps, seed, scratch, timeout)
+
+    times.update(eager=iter([[1.0] * 4]), terra=iter([[1.0] * 4]))
+    monkeypatch.setattr(driver, "run_child", unsupported)
+    row = driver.run_program("sonnet_mlp", 4, function=True)
+    assert row["function"] == "n/a" and row["x_function"] is None
+    assert "| n/a | 1000.00 | 1.00 | n/a |" in driver.table([row])

@@ -44,6 +44,11 @@ REGISTRY = {
     "keras3_mobilenetv3": Entry("keras 3", ("keras",)),
     "keras3_fit": Entry("keras 3", ("keras",)),
     "tfagents_dqn": Entry("tf-agents", ("tf_agents", "gin", "gym", *TFP), env=LEGACY_KERAS),
+    # the training code of public tutorials, written here in their style (docs/corpus.md)
+    "vae": Entry("keras 3", ("keras",)),
+    "pix2pix": Entry("keras 3", ("keras",)),
+    "wgan_gp": Entry("keras 3", ("keras",)),
+    "tfkeras_gru_lm": Entry("tf_keras", ("tf_keras",), env=LEGACY_KERAS),
 }
 
 

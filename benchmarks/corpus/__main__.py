@@ -1,5 +1,5 @@
-"""``python -m benchmarks.corpus [--quick] [--programs a,b] [--steps N] [--repeats R]``: the
-corpus table.
+"""``python -m benchmarks.corpus [--quick] [--programs a,b] [--steps N] [--repeats R]
+[--function]``: the corpus table.
 
 Progress goes to stderr, the markdown table to stdout. The exit code is 1 if any program's Terra
 run differs from its eager run (or either failed), so a script can rely on it.
@@ -28,6 +28,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3,
                         help="paired eager/Terra runs per program; speeds are their medians "
                              "(default 3)")
+    parser.add_argument("--function", action="store_true",
+                        help="also time each program's step inside tf.function (AutoGraph), "
+                             "where the program provides one")
     args = parser.parse_args(argv)
     names = (args.programs.split(",") if args.programs else
              [n for n, e in REGISTRY.items() if e.quick or not args.quick])
@@ -42,9 +45,11 @@ def main(argv: list[str]) -> int:
             print(f"{name}: skipped, not installed: {', '.join(lacking)}", file=sys.stderr)
             continue
         start = time.perf_counter()
-        print(f"{name}: {steps} steps eager and under Terra, {args.repeats} pair(s) ...",
+        modes = "eager, under Terra and in tf.function" if args.function else \
+            "eager and under Terra"
+        print(f"{name}: {steps} steps {modes}, {args.repeats} set(s) ...",
               file=sys.stderr, flush=True)
-        row = run_program(name, steps, args.seed, repeats=args.repeats)
+        row = run_program(name, steps, args.seed, repeats=args.repeats, function=args.function)
         print(f"    {'match' if row['match'] else 'MISMATCH: ' + row['detail']}, "
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         rows.append(row)

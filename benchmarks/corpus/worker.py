@@ -2,7 +2,13 @@
 
 ``python -m benchmarks.corpus.worker '<json spec>'`` seeds everything, calls ``terra.enable()``
 for the Terra mode (before the program is built, so that every ``tf.GradientTape`` the library
-opens is Terra's), builds the program and runs its steps. It prints one JSON line tagged with
+opens is Terra's), builds the program and runs its steps. The ``function`` mode runs the
+program's ``step_function()`` (its step inside ``tf.function``, AutoGraph's way) instead of
+``step()``, for timing only; a program without one is reported ``unsupported``.
+
+Every mode reads each step's loss back to the host before the step's time is taken, so a step
+ends at the same point in all three (for Terra, which may run the graph behind Python, its
+graph's work is done; for ``tf.function``, the function's). It prints one JSON line tagged with
 ``benchmarks.worker.RESULT_TAG`` (losses, times, Terra's stats and report) and writes the final
 value of every variable to the spec's ``.npz`` file (too large for a JSON line: a MobileNet has
 millions of numbers). A fresh process per run keeps the eager reference free of Terra and lets
@@ -41,22 +47,32 @@ def run(program: str, mode: str, steps: int, seed: int, variables_path: str,
     try:
         module = importlib.import_module(f"benchmarks.corpus.programs.{program}")
         prog = module.build(np.random.default_rng(seed))
+        step = None
+        if mode == "function":
+            step = prog.step_function()
+            if step is None:
+                result["unsupported"] = "the program has no step_function()"
+                return result
         phase = "training"
         losses, ticks = [], []
 
         def tick(loss):
-            losses.append(loss)
+            losses.append(numbers(loss))  # the host sync: the step's work is done
             ticks.append(time.perf_counter())
 
         start = time.perf_counter()
-        prog.train(steps, tick)
-        result["losses"] = [float(loss) for loss in losses]  # waits for work still in flight
+        if step is None:
+            prog.train(steps, tick)
+        else:
+            prog.train(steps, tick, step)
         end = time.perf_counter()
+        result["losses"] = losses
         half = len(ticks) // 2
         result["total_s"] = end - start
         # the second half alone: past tracing and graph generation (Terra's steady state)
         result["second_half_s"] = end - ticks[half - 1] if half else None
         result["second_half_steps"] = len(ticks) - half
+        result["step_s"] = list(np.diff([start, *ticks]))
         phase = "saving variables"
         values = {f"{i:04d} {v.name}": np.asarray(v.numpy())
                   for i, v in enumerate(prog.variables())}
@@ -68,6 +84,16 @@ def run(program: str, mode: str, steps: int, seed: int, variables_path: str,
     if mode == "terra":
         result.update(_terra_report())
     return result
+
+
+def numbers(loss):
+    """A step's loss as JSON numbers: a float, or a list of floats for a step with several
+    (a tuple, or a dict's values in order)."""
+    if isinstance(loss, dict):
+        loss = list(loss.values())
+    if isinstance(loss, (list, tuple)):
+        return [float(part) for part in loss]
+    return float(loss)
 
 
 def _terra_report() -> dict:

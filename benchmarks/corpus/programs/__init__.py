@@ -12,9 +12,16 @@ import tensorflow as tf
 
 class Program:
     """One training program: ``step()`` runs one training step of the library and returns its
-    loss (a tensor is fine: the worker converts the losses after the last step, so a graph
-    running behind Python is not waited for at every step). ``variables()`` lists every variable
-    the run changes (model and optimizer state), in a fixed order, for the final comparison.
+    loss: a tensor, a number, or a tuple or dict of them where a step has several losses (a
+    GAN's); the worker reads it back at once, so that every mode waits for the step's work at
+    the same point. ``variables()`` lists every variable the run changes (model and optimizer
+    state), in a fixed order, for the final comparison.
+
+    ``step_function()`` is the same step for the ``function`` mode, its TensorFlow work in one
+    ``tf.function`` the way the program's tutorial compiles it. Python that runs between steps
+    (``next_batch``) must stay outside the function, else it would run once, at tracing, and
+    every step would train on the first batch; so each program that can run under
+    ``tf.function`` says how, and the default (None) reports the mode n/a.
 
     ``train`` is the loop; a program whose library owns the loop (``model.fit``) overrides it
     and reports each step's loss through ``tick`` from a callback. ``next_batch`` cycles
@@ -32,12 +39,16 @@ class Program:
     def step(self):
         raise NotImplementedError
 
+    def step_function(self):
+        return None
+
     def variables(self) -> list:
         raise NotImplementedError
 
-    def train(self, steps: int, tick) -> None:
+    def train(self, steps: int, tick, step=None) -> None:
+        step = step or self.step
         for _ in range(steps):
-            tick(self.step())
+            tick(step())
 
 
 def optimizer_variables(optimizer) -> list:
