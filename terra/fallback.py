@@ -16,7 +16,7 @@ from tensorflow.python.eager import context, execute, record
 from tensorflow.python.framework import constant_op, dtypes, errors
 from tensorflow.python.util import nest
 
-from terra import functions, opdefs
+from terra import functions, interception, opdefs
 from terra.nodes import SlotKind
 from terra.standins import Entry
 
@@ -133,13 +133,23 @@ def watch_read(tapes, op_type, handle):
 
     Eager tapes learn of a variable from ``variable_accessed`` before the read op runs. In
     co-execution no real tape is active then, so a read replayed, or run eagerly right after
-    a fallback, must be announced here or its gradient would be missing. A non-persistent
-    tape whose gradient was taken no longer records (TF popped it), as eagerly."""
+    a fallback, must be announced here or its gradient would be missing. The tapes watch the
+    variable itself, as eager's do (``interception.accessed``): watching its handle as a
+    tensor gives the same gradient, but leaves it out of ``watched_variables()``, so a trace
+    with a replayed gradient call seemed to watch other variables than the rest, and a
+    symbolic region lost its graph tape for ``tf.gradients``, which sums in another order.
+    The handle of a variable no tape watches as it is read (one not trainable) is not
+    watched, as eagerly. A non-persistent tape whose gradient was taken no longer records
+    (TF popped it), as eagerly."""
     if op_type in _READS:
+        ref = interception.accessed.get(handle._id)
+        variable = ref() if ref is not None else None
+        if variable is None:
+            return
         for tape in tapes:
             real = tape.real
             if tape.watch_accessed_variables and real is not None and real._tape is not None:
-                real.watch(handle)
+                pywrap_tfe.TFE_Py_TapeWatchVariable(real._tape._tape, variable)
 
 
 class GraphStuck(TimeoutError):
@@ -254,27 +264,39 @@ def _replay(log, recorder, tapes, customs):
 
 
 def _execute(node, args, stopped, tapes, recorder, ctx):
-    """Run ``node``'s op eagerly on ``args``, recorded (and on the tapes unless ``stopped``)."""
-    if not stopped:
-        watch_read(tapes, node.op_type, args[0] if args else None)
+    """Run ``node``'s op eagerly on ``args``, recorded (and on the tapes unless ``stopped``).
+
+    A ``stopped`` op ran with gradient recording paused (``tf.stop_gradient``), and runs so
+    again: the trace of the iteration notes it untaped as eager's traces do. Run with the
+    tapes live and only kept off them, a BatchNorm's stopped mean was noted taped in that
+    one trace, and no graph tape could stand for the tape that skipped it (its region kept
+    ``tf.gradients``, which sums in another order)."""
     attrs = _flat_attrs(node.attrs)
-    try:
-        results = execute.execute_with_callbacks(
-            node.op_type, len(node.out_specs), args, attrs, ctx)
-    except errors.OpError as e:  # the graph failed here: eager fails the same way
-        recorder.aborted = True
-        raise _at_user_line(e, node.location) from None
+    if stopped:
+        with record.stop_recording():
+            return _run(node, args, attrs, recorder, ctx)
+    watch_read(tapes, node.op_type, args[0] if args else None)
+    results = _run(node, args, attrs, recorder, ctx)
     # a tf.function's call has no registered gradient: its backward function is put back
     # on the tapes among the iteration's custom gradients
-    if not stopped and execute.must_record_gradient() and \
-            opdefs.info(node.op_type).op_def is not None:
+    if execute.must_record_gradient() and opdefs.info(node.op_type).op_def is not None:
         execute.record_gradient(node.op_type, args, attrs, results)
     return results
 
 
+def _run(node, args, attrs, recorder, ctx):
+    """The op itself; an error the graph met here is raised as eager raises it."""
+    try:
+        return execute.execute_with_callbacks(
+            node.op_type, len(node.out_specs), args, attrs, ctx)
+    except errors.OpError as e:  # the graph failed here: eager fails the same way
+        recorder.aborted = True
+        raise _at_user_line(e, node.location) from None
+
+
 # Ops TF's own Python issues with gradient recording paused (``tf.stop_gradient``): a tape
-# never sees them in eager, so a replayed skipped call does not put them on the tapes either
-# (recorded, they change the order the backward pass sums in: eager's rounding is lost).
+# never sees them in eager, so a replayed skipped call runs them paused too (recorded, they
+# change the order the backward pass sums in: eager's rounding is lost).
 PAUSES_TAPE = frozenset({"StopGradient"})
 
 

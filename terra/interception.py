@@ -5,11 +5,12 @@ slow-path fallbacks and function calls) are module attributes looked up at call 
 wrapping them sees every op except C++-internal constant conversion. A handler may bring its
 own function for the first (``handler.fast_entry``, with its signature, passing other
 threads' ops): ``CoexecDoor``'s answers an op on a lane without a call more per op.
-``record.record_operation`` is wrapped the same way, to hear of custom gradients, and
+``record.record_operation`` is wrapped the same way, to hear of custom gradients,
 ``constant_op.convert_to_eager_tensor`` to note which Python scalar or small array each new
 constant tensor holds (:data:`converted`: a lane then knows a fresh ``tf.add(x, 1.0)``
 constant by the ``1.0``, and ``tf.reduce_sum(x)``'s axes by their array, without reading
-the tensor back).
+the tensor back), and ``tape.variable_accessed`` to note which variable each handle a tape
+would watch belongs to (:data:`accessed`).
 While a handler is set, ops issued by the owning thread go to it; everything else (other
 threads, Terra's own queue ops, which call ``quick_execute`` directly) passes straight
 through. While no handler is set (Terra waiting, or eager between graphs) TF's own functions
@@ -29,10 +30,12 @@ the slow door therefore hands off to ``execute_with_callbacks``.
 import contextlib
 import math
 import threading
+import weakref
 
 import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context, execute, record
+from tensorflow.python.eager import tape as tape_lib
 from tensorflow.python.framework import constant_op
 
 from terra import functions
@@ -43,6 +46,7 @@ ORIGINAL_RECORD = record.record_operation
 ORIGINAL_CONVERT = constant_op.convert_to_eager_tensor
 ORIGINAL_STOP = record.stop_recording
 ORIGINAL_CLEAR_SCALARS = pywrap_tfe.TFE_ClearScalarCache
+ORIGINAL_ACCESSED = tape_lib.variable_accessed
 
 # EagerTensor._id -> the Python scalar (int, float, bool), the (dtype string, shape, bytes)
 # of the small numeric numpy array (the axes ``tf.reduce_sum(x)`` makes at every call), or
@@ -58,6 +62,15 @@ converted: dict = {}
 _zeros: dict = {}
 _SCALARS = (int, float, bool)
 _SMALL = 64  # elements of an array worth noting: a lane compares its bytes
+# EagerTensor._id of a variable's handle -> a weak reference to the variable eager's tapes
+# watch when it is read (``tape.variable_accessed``: a trainable variable, or what
+# ``tf.distribute`` resolves it to), noted while a handler is set. A read Terra replays after
+# a fallback, or runs eagerly at one, had its Python side (``variable_accessed``) run while
+# no real tape was entered, or never (a skipped layer call): ``fallback.watch_read`` lets
+# the tapes watch the variable itself by its handle, so that ``watched_variables()`` answers
+# as eager's does (a graph tape stands for a region's tape only where every trace's tape
+# watched the same variables: ``terra.graph_tapes``).
+accessed: dict = {}
 # whether the owning thread's gradient recording is paused (TFE_Py_TapeSetIsStopped): read
 # from TF when a handler is set, kept by the wrapped ``record.stop_recording`` after
 tapes_stopped = [False]
@@ -164,6 +177,16 @@ def _record(op_type, output_tensors, input_tensors, backward_function,
                            forward_function)
 
 
+def _accessed(variable):
+    """``tape.variable_accessed`` while a handler is set: the tapes watch ``variable``, and
+    :data:`accessed` notes what they watch by its handle."""
+    ORIGINAL_ACCESSED(variable)
+    for watched in tape_lib._variables_override(variable):
+        key = watched.handle._id
+        if key not in accessed:
+            accessed[key] = weakref.ref(watched, lambda _, key=key: accessed.pop(key, None))
+
+
 @contextlib.contextmanager
 def _stop_recording():
     mine = _get_ident() == _owner
@@ -212,11 +235,13 @@ def _route(handler):
         execute.execute = _slow
         record.record_operation = _record
         constant_op.convert_to_eager_tensor = _convert
+        tape_lib.variable_accessed = _accessed
     elif _installed:
         pywrap_tfe.TFE_Py_FastPathExecute = ORIGINAL_FAST
         execute.execute = _plain_execute
         record.record_operation = ORIGINAL_RECORD
         constant_op.convert_to_eager_tensor = ORIGINAL_CONVERT
+        tape_lib.variable_accessed = ORIGINAL_ACCESSED
 
 
 def set_handler(handler):
