@@ -85,17 +85,18 @@ def _wrap(original, family):
 
 class _State:
     """What one runtime knows of one layer: the attributes of it and its sublayers after its
-    last call, why its calls are no regions (None while they are), and a number no other
+    last call, why its calls are no regions (None while they may be), and a number no other
     layer's state has: a call mark names its layer by it (two Dense layers called alike are
     told apart, and a layer made anew gets a new number where it could get an old ``id``)."""
 
-    __slots__ = ("last", "off", "token")
+    __slots__ = ("last", "off", "token", "mixed")
     _tokens = itertools.count()
 
     def __init__(self, off):
         self.last = None
         self.off = off
         self.token = next(self._tokens)
+        self.mixed = False  # some call's arguments were no tensors (noted once)
 
 
 class LayerRegions:
@@ -236,8 +237,14 @@ class LayerRegions:
             return self._off(layer, state, "its Python attributes changed between two calls: "
                              + _changed(layer, state.last, before))
         tensors, leaves = flatten_call(args, kwargs)
-        if leaves is None:
-            return self._off(layer, state, "an argument is neither a tensor nor a number")
+        if leaves is None:  # (a NumPy batch): this call runs its Python, the layer's others
+            if not state.mixed:  # may still be regions
+                state.mixed = True
+                self.note("layer call not skipped", f"{type(layer).__name__} {layer.name!r}: "
+                          "an argument is neither a tensor nor a number (a NumPy array: "
+                          "tf.constant(...) makes it one); calls like it run their Python",
+                          user_location())
+            return None
         scope = family.scope(layer)
         if scope is None:
             return self._off(layer, state, "it is called inside a stateless scope")
@@ -349,7 +356,8 @@ def _changed(layer, old, new):
 
 def _encode(outputs, arguments):
     """(the tensors among ``outputs`` that are not the call's own ``arguments``, the
-    structure of ``outputs`` as a hashable template: ``("t",)`` for the next such tensor,
+    structure of ``outputs`` as a hashable template: ``("t",)`` for the next such tensor
+    (``("t", "no mask")``: one tf_keras gave ``_keras_mask = None``),
     ``("arg", i)`` for argument ``i``, ``("v", x)`` for a number), or a None template if
     the outputs are something else (a tensor carrying Python attributes, another object). Plain
     recursion, no closure: a recursive closure is a reference cycle, which would keep the
@@ -367,10 +375,13 @@ def _encode(outputs, arguments):
 def _encoded(x, by_id, returned):
     kind = type(x)
     if kind is _EagerTensor:
-        if x.__dict__:  # Python attributes on the tensor (Keras' _keras_mask, a softmax's
-            raise _NotARegion  # _keras_logits, which a loss reads): a stand-in has none
         if x._id in by_id:
             return ("arg", by_id[x._id])
+        if x.__dict__:  # Python attributes on the tensor (Keras' _keras_mask, a softmax's
+            if x.__dict__ != _NO_MASK:  # _keras_logits, which a loss reads): a stand-in
+                raise _NotARegion  # has none, but the no-mask tf_keras sets on every
+            returned.append(x)  # output of a layer that computes masks (a GRU's with
+            return ("t", "no mask")  # return_state)
         returned.append(x)
         return ("t",)
     if kind in (int, float, bool, str, type(None)):
@@ -380,6 +391,9 @@ def _encoded(x, by_id, returned):
     if kind is dict:
         return ("dict", tuple((k, _encoded(v, by_id, returned)) for k, v in x.items()))
     raise _NotARegion
+
+
+_NO_MASK = {"_keras_mask": None}
 
 
 class _NotARegion(Exception):
@@ -406,7 +420,10 @@ def _decode(template, flat, arguments):
 def _decoded(code, tensors, arguments):
     kind = code[0]
     if kind == "t":
-        return next(tensors)
+        t = next(tensors)
+        if len(code) > 1:  # (a stand-in with attributes is never handed out again)
+            t._keras_mask = None
+        return t
     if kind == "arg":
         return arguments[code[1]]
     if kind == "v":

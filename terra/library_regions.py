@@ -246,6 +246,10 @@ def attributes(obj, nested=True, watch=None):
         kind = type(value)
         if kind in _PLAIN:
             parts.append((name, value))
+        elif _spec(value):
+            parts.append((name, _by_value(value)))
+        elif isinstance(value, (list, tuple)) and value and all(map(_spec, value)):
+            parts.append((name, tuple(map(_by_value, value))))
         elif isinstance(value, _CONTAINERS):  # Keras' TrackedList and TrackedDict too
             parts.append((name, id(value), len(value)))
             if watch is not None:
@@ -255,7 +259,43 @@ def attributes(obj, nested=True, watch=None):
             parts.append((name, id(value), attributes(value, False, watch)))
         else:
             parts.append((name, id(value)))
-    return tuple(parts)
+    # by name: an attribute a call deletes and sets again (Keras' tracking does) moves to the
+    # end of the object's dict, and is no change
+    return tuple(sorted(parts, key=_name))
+
+
+def _name(part):
+    return part[0]
+
+
+def _spec(value) -> bool:
+    """Whether ``value`` is a description rather than a part of the computation: an object
+    with a config that is not callable and holds plain values only (an ``InputSpec``, a
+    dtype policy; not an optimizer, which holds variables). A layer may make new ones at
+    every call with the same contents (tf_keras' RNN sets ``state_spec`` anew from its
+    initial state's shapes): they are compared by their contents, not identity."""
+    return not callable(value) and hasattr(value, "get_config") and \
+        hasattr(value, "__dict__") and _plain(vars(value)) is not None
+
+
+def _by_value(spec):
+    return type(spec), _plain(vars(spec))
+
+
+def _plain(x):
+    """``x`` as a hashable value if it is made of plain values only (lists, tuples and dicts
+    of them), else None. Reads no tensor: a guard must issue no op."""
+    if type(x) in _PLAIN:
+        return (x,)
+    if isinstance(x, (list, tuple)):
+        parts = tuple(map(_plain, x))
+        return None if None in parts else (type(x).__name__, parts)
+    if isinstance(x, dict):
+        parts = tuple((k, _plain(v)) for k, v in x.items())
+        if any(v is None or type(k) not in _PLAIN for k, v in parts):
+            return None
+        return "dict", tuple(sorted(parts, key=repr))
+    return None
 
 
 class Watch:

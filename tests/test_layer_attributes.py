@@ -50,3 +50,17 @@ def test_every_change_the_full_reading_sees_is_seen(model, change):
     full = _attributes(model, KERAS3)
     assert full != seen  # the full reading sees it...
     assert _attributes(model, KERAS3, seen) != seen  # ...and so does the reading given the last one
+
+
+def test_specs_made_anew_with_the_same_contents_and_a_reordered_dict_are_no_change(model):
+    layer = model.layers[0]
+    layer.extra_number = 3
+    layer.spec = (keras.InputSpec(shape=(None, 4)),)
+    seen = _attributes(model, KERAS3)
+    layer.spec = (keras.InputSpec(shape=(None, 4)),)  # another object, the same contents
+    del layer.extra_number
+    layer.extra_number = 3  # deleted and set again: now last in the dict
+    again = _attributes(model, KERAS3, seen)
+    assert again is not seen and again == seen
+    layer.spec = (keras.InputSpec(shape=(None, 5)),)
+    assert _attributes(model, KERAS3, again) != seen

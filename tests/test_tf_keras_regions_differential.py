@@ -145,3 +145,36 @@ def test_a_tf_keras_dropout_rate_changed_from_python_keeps_eagers_numbers():
     outcome = assert_same_as_eager(dropout_rate_changed, 12, exact=EXACT, expect_fallbacks=(0, 2),
                                    max_traces=6, min_coexecuted=3)
     assert "attributes changed" in outcome.explain, outcome.report()
+
+
+class StatefulLM(tf_keras.Model):
+    """The text-generation tutorial's model: the GRU is given its initial state (tf_keras'
+    ``RNN.__call__`` then sets ``state_spec`` anew at every call) and returns its state (each
+    output gets ``_keras_mask = None``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = tf_keras.layers.Embedding(40, 16)
+        self.gru = tf_keras.layers.GRU(24, return_sequences=True, return_state=True)
+        self.dense = tf_keras.layers.Dense(40)
+
+    def call(self, inputs, training=False):
+        x = self.embedding(inputs, training=training)
+        x, _ = self.gru(x, initial_state=self.gru.get_initial_state(x), training=training)
+        return self.dense(x, training=training)
+
+
+def gru_with_initial_state(tape_cls, steps):
+    tf_keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 40, (steps, 8, 21))
+    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return _train(tape_cls, steps, StatefulLM(), lambda s: (tf.constant(tokens[s, :, :-1]),
+                                                           tf.constant(tokens[s, :, 1:])), loss_fn)
+
+
+def test_a_gru_given_its_state_and_returning_it_is_skipped():
+    outcome = assert_same_as_eager(gru_with_initial_state, 10, exact=EXACT, min_coexecuted=5)
+    # the embedding, the GRU and the dense layer: each call skipped
+    assert outcome.stats.skipped_layer_calls >= 3 * outcome.stats.coexecuted, outcome.report()
+    assert "region off" not in outcome.explain, outcome.report()
