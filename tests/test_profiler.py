@@ -7,6 +7,7 @@ import os
 
 import tensorflow as tf
 from differential import assert_same_as_eager
+from test_keras_fit_differential import dataset_loop_to_its_end
 from tiny_models import batch, mlp_task
 
 import terra
@@ -90,26 +91,10 @@ def test_no_profiler_builds_no_annotation():
     assert phase._me is None
 
 
-def _dataset_epochs(tape_cls, steps):
-    """A ``tf.data`` loop run to the end of its dataset, twice, under the profiler: the
-    iteration that ends with the dataset closes at the path's start."""
-    data, model, optimizer, loss_fn = mlp_task(steps)
-    x, y = batch(data, 0, 16 * steps)
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-    losses = []
-    for _ in range(2):
-        for xb, yb in dataset:
-            with tape_cls() as tape:
-                loss = loss_fn(yb, model(xb, training=True))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            losses.append(loss)
-    return {"losses": losses, "variables": model.variables}
-
-
 def test_a_dataset_loop_ends_under_the_profiler_with_eagers_numbers(tmp_path):
     tf.profiler.experimental.start(str(tmp_path))
     try:
-        assert_same_as_eager(_dataset_epochs, 6, exact=("losses", "variables"))
+        # each pass over the dataset ends at the path's start, where the profiler names the wait
+        assert_same_as_eager(dataset_loop_to_its_end, 12, exact=("losses", "variables"))
     finally:
         tf.profiler.experimental.stop()
