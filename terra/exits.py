@@ -166,9 +166,10 @@ class Exits:
         return fallback_lib.GraphStuck(message)
 
     def _graph_error(self, job):
-        # Called in the GraphRunner thread: unblock a PythonRunner waiting on a fetch.
+        """The graph failed on its own (called in the GraphRunner's thread): end the wait
+        for a value Python may be blocked in, which then raises the graph's error."""
         if self.runner is not None:
-            self.runner.wait_cm.start_cancel()
+            self.runner.waiting.graph_failed()
 
     def value(self, entry):
         try:

@@ -1,33 +1,33 @@
 """GraphRunner: executes the symbolic graph, one call per iteration, in its own thread.
 
-Each iteration is a :class:`Job` with its own ``CancellationManager``; the function is called
-with ``execute_with_cancellation`` from this thread (``get_cancelable_function`` sets a
-module-global context and is not thread-safe). For a graph without a commit gate
-(``terra.commit``) the runner snapshots the variables the graph writes before the call (reads
-alias the buffers; TF copies on write), which is what a fallback restores; a gated graph
-writes nothing until Python's token, which decides whether Python snapshots. Jobs run
-strictly in order, so the snapshot of job *i* is the state at the start of iteration *i*.
-While a profiler records, each call is a ``terra_graph_step`` span with the iteration's
-number as ``step_num`` (``terra.profiling``).
+Each iteration is a :class:`Job`. A job is stopped by closing the channels its graph reads
+(``SymbolicGraph.close_inputs``): the graph runs only Terra's channels' dequeues and ops that
+do not block (a stateful op runs in Python, ``opdefs.OpInfo.in_graph``), so it then ends at
+the first value Python has not fed, without TF logging it (``terra.queues``). For a graph
+without a commit gate (``terra.commit``) the runner snapshots the variables the graph writes
+before the call (reads alias the buffers; TF copies on write), which is what a fallback
+restores; a gated graph writes nothing until Python's token, which decides whether Python
+snapshots. Jobs run strictly in order, so the snapshot of job *i* is the state at the start
+of iteration *i*. While a profiler records, each call is a ``terra_graph_step`` span with
+the iteration's number as ``step_num`` (``terra.profiling``).
 """
 
 import queue
 import threading
 import time
 
-from tensorflow.python.eager import cancellation, context, execute
+from tensorflow.python.eager import context, execute
 
 from terra import profiling
 
 
 class Job:
-    __slots__ = ("graph", "step", "cm", "done", "entered", "error", "snapshot", "cancelled",
+    __slots__ = ("graph", "step", "done", "entered", "error", "snapshot", "cancelled",
                  "submitted", "started", "exec_time", "committed", "ready", "early")
 
     def __init__(self, graph, step=0):
         self.graph = graph
         self.step = step  # the iteration's number, for the profiler's step view
-        self.cm = cancellation.CancellationManager()
         self.done = threading.Event()
         self.entered = threading.Event()  # the runner's thread is in TF's call, or done
         self.error = self.snapshot = None
@@ -72,12 +72,17 @@ class GraphRunner:
             job.entered.wait(timeout)
 
     def cancel(self, job: Job):
+        """Stop ``job`` (``fallback.restore`` waits for it). Of a job that started, the
+        channels its graph reads are closed: the call ends at the first value Python has
+        not fed, or at its end if every value was fed (cancelling its call would not stop a
+        running kernel either)."""
         with self._lock:
             job.cancelled = True
             if not job.submitted:  # lazy mode: never started, nothing to undo
                 job.done.set()
-            elif job.started:
-                job.cm.start_cancel()
+            running = job.started
+        if running:  # else the loop skips it
+            job.graph.close_inputs()
 
     def stop(self):
         self._jobs.put(None)
@@ -108,8 +113,7 @@ class GraphRunner:
             elif g.early_fn is not None:
                 job.early = g.early_fn()
             job.entered.set()
-            execute.execute_with_cancellation(
-                g.fn_name, 0, g.captures, g.call_attrs, ctx, job.cm)
+            execute.quick_execute(g.fn_name, 0, g.captures, g.call_attrs, ctx)
         except Exception as e:  # noqa: BLE001 - every failure is handed to the PythonRunner
             job.error = e
             if not job.cancelled:
@@ -119,10 +123,11 @@ class GraphRunner:
 
 
 class Watchdog:
-    """One thread that cancels a blocking wait when it exceeds its deadline.
+    """One thread that ends a blocking wait when it exceeds its deadline, by closing the
+    channel it waits on (``Channel.close``: the dequeue raises ``OutOfRangeError``).
 
     Arming does not wake the thread: it looks at the deadline every ``period`` (a quarter of
-    the shortest timeout armed, at most a second), so a wait is cancelled at most that much
+    the shortest timeout armed, at most a second), so a wait is ended at most that much
     after its deadline. Waking it at every wait, as a condition's ``notify`` does, cost a
     switch of threads per wait: YOLOv3's 67 waits a step took ~1 ms a step more."""
 
@@ -132,7 +137,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._deadline = None
-        self._cm = None
+        self._channel = None
         self._stopped = False
         self._period = 1.0
         self.fired = False
@@ -143,9 +148,10 @@ class Watchdog:
             self._stopped = True
             self._cond.notify()
 
-    def arm(self, cm, timeout):
+    def arm(self, channel, timeout):
+        """Close ``channel`` if the wait on it is not disarmed within ``timeout`` seconds."""
         with self._lock:
-            self._cm, self._deadline, self.fired = cm, time.monotonic() + timeout, False
+            self._channel, self._deadline, self.fired = channel, time.monotonic() + timeout, False
             if timeout < 4 * self._period:  # the thread would look too late: sooner
                 self._period = max(timeout / 4, 1e-3)
                 self._cond.notify()
@@ -162,4 +168,4 @@ class Watchdog:
                     continue
                 self.fired = True
                 self._deadline = None
-                self._cm.start_cancel()
+                self._channel.close()

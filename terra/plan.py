@@ -144,24 +144,45 @@ class SymbolicGraph:
         for step in self.steps.values():
             step.__class__ = FrozenStep
 
-    def rewind(self):
-        """Make the graph ready for a new iteration after one was abandoned mid-way (a
-        cancelled job): its channels drained and counted from zero (the runner resets its
-        own visits). A completed iteration leaves them so by itself
-        (``PythonRunner.finish``)."""
-        queues.settle()
-        channels = {id(c): c for _, c in self.switch_cases if c is not None}
+    def channels(self):
+        """Every channel of the graph, as ``(reads, writes)``: those the graph dequeues from
+        (Python's feeds, Case Selects, Loop Conds, the commit token) and those it fills
+        (fetches, the commit gate's ready signal)."""
+        reads = {id(c): c for _, c in self.switch_cases if c is not None}
+        writes = {}
         if self.commit is not None:
-            channels.update({id(self.commit): self.commit, id(self.ready): self.ready})
+            reads[id(self.commit)] = self.commit
+            writes[id(self.ready)] = self.ready
         for step in self.steps.values():  # region and loop bodies among them
-            found = [*step.feed, *step.out_feed, *step.fetch]
+            found = [*step.feed, *step.out_feed]
             if step.backward_feeds:
                 found += step.backward_feeds[0]
             for puts in step.puts or ():
                 found += [c for c, _ in puts]
-            channels.update((id(c), c) for c in found if c is not None)
-        for channel in channels.values():
-            channel.drain()
+            reads.update((id(c), c) for c in found if c is not None)
+            writes.update((id(c), c) for c in step.fetch if c is not None)
+        return list(reads.values()), list(writes.values())
+
+    def close_inputs(self):
+        """Stop a job of this graph without cancelling it: close every channel it reads, so
+        it ends with ``OutOfRange`` at the first value Python has not fed, which TF does
+        not log (``terra.queues``). The values already fed still reach it. Call once Python
+        feeds no more in this iteration; :meth:`rewind` opens them again."""
+        queues.settle()  # a put still pending would fail on its closed queue
+        queues.close_all(self.channels()[0])
+
+    def rewind(self):
+        """Make the graph ready for a new iteration after one was abandoned mid-way (a
+        stopped job): its channels emptied and counted from zero (the runner resets its own
+        visits), those closed to stop the job or end a wait opened again. A completed
+        iteration leaves them so by itself (``PythonRunner.finish``)."""
+        queues.settle()
+        reads, writes = self.channels()
+        for channel in reads + writes:
+            if channel.closed:
+                channel.reopen()
+            else:
+                channel.drain()
 
     def __str__(self):
         steps = self.steps.values()

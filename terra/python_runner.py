@@ -145,12 +145,6 @@ class PythonRunner(TapeEvents, RegionSkips):
         self.snapshots = 0  # taken at commit points
 
     @property
-    def wait_cm(self):
-        """The cancellation manager of the wait in progress: the runtime cancels it from the
-        GraphRunner's thread when the graph fails."""
-        return self.waiting.cm
-
-    @property
     def stall_time(self):
         """Seconds Python waited for the graph (the runtime's stats)."""
         return self.waiting.stall_time
@@ -164,11 +158,10 @@ class PythonRunner(TapeEvents, RegionSkips):
         self.cur = self.graph.start
 
     def rewind(self):
-        """The graph is kept after an abandoned iteration (a detour): empty its channels, and
-        give the wait a manager that was not cancelled."""
+        """The graph is kept after an abandoned iteration (a detour): empty its channels,
+        and open again those closed to stop the job or end a wait."""
         self.graph.rewind()
         self.visits.clear()
-        self.waiting.renew()
         self.cur = self.graph.start
 
     def at_end(self) -> bool:

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import cancellation, context, execute
+from tensorflow.python.eager import context, execute
 from test_tracegraph import at, ext, op_at
 
 from terra.graph_builder import generate
@@ -95,8 +95,7 @@ def test_the_generated_function_runs_the_taken_case():
         [(channel, index)] = steps["Neg"].puts[path]
         channel.put(tf.constant(index, tf.int32))
         graph.function()
-        np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()), expected,
-                                   rtol=1e-6)
+        np.testing.assert_allclose(fetch.get(), expected, rtol=1e-6)
 
 
 def executed_ops(graph):
@@ -164,8 +163,7 @@ def test_with_xla_the_compute_ops_run_as_one_compiled_function():
     x = np.full((4, 3), 0.5, np.float32)
     feed.put(tf.constant(x))
     executed = executed_ops(graph)
-    np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()),
-                               unary_chain(x), rtol=1e-5)
+    np.testing.assert_allclose(fetch.get(), unary_chain(x), rtol=1e-5)
     assert [n.op for n in executed if n.attr["_XlaMustCompile"].b] == \
         ["StatefulPartitionedCall"], executed
     ops = {n.op for n in executed}
@@ -231,5 +229,4 @@ def test_a_loop_node_is_a_while_that_runs_the_trips_the_loop_cond_asks_for():
         expected = -x
         for _ in range(trips):
             expected = np.tanh(expected)
-        np.testing.assert_allclose(fetch.get(cancellation.CancellationManager()),
-                                   np.exp(expected), rtol=1e-6)
+        np.testing.assert_allclose(fetch.get(), np.exp(expected), rtol=1e-6)

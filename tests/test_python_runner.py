@@ -36,10 +36,10 @@ def real_numpy(t):
 
 @pytest.fixture(scope="module")
 def threads():
-    """The GraphRunner and Watchdog threads the runner's waits use; a failed job cancels the
+    """The GraphRunner and Watchdog threads the runner's waits use; a failed job ends the
     wait in progress, as the runtime does."""
     runners = []
-    graph_runner = GraphRunner(lambda job: runners[-1].wait_cm.start_cancel())
+    graph_runner = GraphRunner(lambda job: runners[-1].waiting.graph_failed())
     watchdog = Watchdog()
     yield graph_runner, watchdog, runners
     graph_runner.stop()
