@@ -96,7 +96,7 @@ class _State:
         self.last = None
         self.off = off
         self.token = next(self._tokens)
-        self.mixed = False  # some call's arguments were no tensors (noted once)
+        self.mixed = set()  # the user's lines that called it with an argument no tensor
 
 
 class LayerRegions:
@@ -237,13 +237,18 @@ class LayerRegions:
             return self._off(layer, state, "its Python attributes changed between two calls: "
                              + _changed(layer, state.last, before))
         tensors, leaves = flatten_call(args, kwargs)
-        if leaves is None:  # (a NumPy batch): this call runs its Python, the layer's others
-            if not state.mixed:  # may still be regions
-                state.mixed = True
+        # a call with an argument that is neither a tensor nor a number (a NumPy batch) runs
+        # its Python, and so does every later call of the layer from the same line, whatever
+        # its arguments: a line's calls take one path (a tensor there later would be a new
+        # path, a fallback); the layer's calls from other lines may still be regions
+        if leaves is None or state.mixed and user_location() in state.mixed:
+            if leaves is None and not state.mixed:
                 self.note("layer call not skipped", f"{type(layer).__name__} {layer.name!r}: "
                           "an argument is neither a tensor nor a number (a NumPy array: "
-                          "tf.constant(...) makes it one); calls like it run their Python",
-                          user_location())
+                          "tf.constant(...) makes it one); its calls from this line run "
+                          "their Python", user_location())
+            if leaves is None:
+                state.mixed.add(user_location())
             return None
         scope = family.scope(layer)
         if scope is None:
