@@ -16,18 +16,25 @@ STEPS = 30  # Terra's cost budget judges a program after 30 iterations
 QUICK = [name for name, entry in REGISTRY.items() if entry.quick]
 
 
-@pytest.mark.parametrize("program", QUICK)
-def test_terra_equals_eager(program, tmp_path, monkeypatch):
+def run_pair(program, steps, tmp_path):
+    """``program`` eagerly, then with ``terra.enable()``, each in a fresh process: the same
+    losses and variables, and the program's own ``tf.GradientTape`` was Terra's (else this
+    compared eager with eager). Skipped where its library is not installed. Terra's run."""
     for module in REGISTRY[program].requires:
         pytest.importorskip(module)
-    monkeypatch.setenv("TERRA_BACKGROUND", "1")  # as a user runs it (the suite turns it off)
-    eager = run_child(program, "eager", STEPS, 0, str(tmp_path))
-    terra = run_child(program, "terra", STEPS, 0, str(tmp_path))
+    eager = run_child(program, "eager", steps, 0, str(tmp_path))
+    terra = run_child(program, "terra", steps, 0, str(tmp_path))
     comparison = compare(eager, terra)
     assert comparison.match, f"{comparison.detail}\n{terra.get('explain')}\n" \
                              f"{terra.get('traceback') or eager.get('traceback') or ''}"
-    # the library's own tf.GradientTape was Terra's: else this compared eager with eager
-    assert terra["stats"]["iterations"] >= STEPS, terra["stats"]
+    assert terra["stats"]["iterations"] >= steps, terra["stats"]
+    return terra
+
+
+@pytest.mark.parametrize("program", QUICK)
+def test_terra_equals_eager(program, tmp_path, monkeypatch):
+    monkeypatch.setenv("TERRA_BACKGROUND", "1")  # as a user runs it (the suite turns it off)
+    terra = run_pair(program, STEPS, tmp_path)
     # one optimizer update per step, the library's own: every co-executed step skipped it
     assert terra["stats"]["skipped_calls"] >= terra["stats"]["coexecuted"], terra["stats"]
 
