@@ -212,7 +212,25 @@ def _normalize(op_type: str, flat) -> tuple:
 
 
 def key_attrs(attrs: tuple) -> tuple:
-    """The attrs that identify an op for matching (drops per-call seeds)."""
+    """The attrs that identify an op for matching (drops per-call seeds). Memoized: merging
+    a trace asks it of every candidate node, and the same few hundred attrs come every
+    iteration."""
+    try:
+        return _keys[attrs]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable value: not memoized
+        return _key_attrs(attrs)
+    key = _key_attrs(attrs)
+    if len(_keys) < _MEMO_SIZE:
+        _keys[attrs] = key
+    return key
+
+
+_keys: dict = {}
+
+
+def _key_attrs(attrs):
     return tuple(p for p in attrs
                  if not (isinstance(p, tuple) and p and p[0] in _IGNORED_KEY_ATTRS))
 

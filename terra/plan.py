@@ -10,10 +10,10 @@ with its ConcreteFunction. The passes here build the plan's skeleton from a Trac
 
 import itertools
 
+from tensorflow.core.framework import function_pb2, types_pb2
 from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
-from tensorflow.python.eager import context, def_function
+from tensorflow.python.eager import context, execute
 from tensorflow.python.framework import dtypes, errors, ops
-from tensorflow.python.ops import gen_resource_variable_ops
 
 from terra import opdefs, queues, regions
 from terra.case_assignment import assign_cases
@@ -213,24 +213,52 @@ def _with_rewriters_off(serialized, names):
 
 
 _snapshots = {}  # handles -> function: the last graph's
+_snapshot_names = itertools.count()
+
+
+class Snapshot:
+    """A function reading variables, called by name with their handles as arguments:
+    ``snapshot()`` is the list of their values. Its FunctionDef is written here, a node a
+    variable: a ``tf.function`` of the same reads costs a graph op, a captured placeholder
+    and automatic control dependencies per variable, over a second of a generation for a
+    few hundred variables, for a function that only reads."""
+
+    def __init__(self, written):
+        self.handles = [h for h, _ in written]
+        fdef = function_pb2.FunctionDef()
+        self.name = fdef.signature.name = f"terra_snapshot_{next(_snapshot_names)}"
+        fdef.signature.is_stateful = True
+        for i, (_, dtype) in enumerate(written):
+            fdef.signature.input_arg.add(name=f"h{i}", type=types_pb2.DT_RESOURCE)
+            enum = dtypes.as_dtype(dtype).as_datatype_enum
+            fdef.signature.output_arg.add(name=f"v{i}", type=enum)
+            read = fdef.node_def.add(name=f"r{i}", op="ReadVariableOp", input=[f"h{i}"])
+            read.attr["dtype"].type = enum
+            fdef.ret[f"v{i}"] = f"r{i}:value:0"
+        context.context().add_function_def(fdef)
+
+    def __call__(self):
+        return list(execute.execute(self.name, len(self.handles), self.handles, (),
+                                    context.context()))
+
+    def __del__(self):
+        try:  # the function is this object's: TF's own functions are removed the same way
+            context.context().remove_function(self.name)
+        except Exception:  # noqa: BLE001, S110 - at interpreter exit the context may be gone
+            pass
 
 
 def _snapshot_function(written):
     """The function reading the variables ``written`` (what a fallback restores). A graph
     built again for the same program writes the same variables: the last graph's functions
-    are reused (handles keyed by ``_id``, which TF never gives twice), saving a function
-    trace per rebuild; only the last few are kept, so no program's variables outlive them
-    here for long."""
+    are reused (handles keyed by ``_id``, which TF never gives twice); only the last few
+    are kept, so no program's variables outlive them here for long."""
     if not written:
         return None
     key = tuple((h._id, dt) for h, dt in written)
     if key in _snapshots:
         return _snapshots[key]
-
-    def snapshot():
-        return [gen_resource_variable_ops.read_variable_op(h, dt) for h, dt in written]
-
-    fn = def_function.function(snapshot, autograph=False).get_concrete_function()
+    fn = Snapshot(written)
     if len(_snapshots) >= 3:  # a graph's three: all, before the gate, after it
         _snapshots.pop(next(iter(_snapshots)))
     _snapshots[key] = fn
