@@ -222,13 +222,13 @@ def plot(rows: list[dict], modes, path: Path) -> None:
             if m["median_steps_per_s"] is None:
                 ax.text(x, 1, "X", ha="center", va="bottom", color=f"C{j}", fontweight="bold")
                 continue
+            repeats = [v for v in m["steps_per_s"] if v]
             ax.bar(x, m["median_steps_per_s"], width, color=f"C{j}",
                    label=LABELS[mode] if i == 0 else None,
-                   hatch="//" if m["status"] not in ("match",) else None)
-            ax.plot([x] * len([v for v in m["steps_per_s"] if v]),
-                    [v for v in m["steps_per_s"] if v], "k.", markersize=3)
-            ax.text(x, m["median_steps_per_s"] * 1.08, f"{m['median_steps_per_s']:.1f}",
-                    ha="center", va="bottom", fontsize="x-small")
+                   hatch="//" if m["status"] != "match" else None)
+            ax.plot([x] * len(repeats), repeats, "k.", markersize=3)
+            ax.text(x, max(repeats) * 1.1, f"{m['median_steps_per_s']:.1f}", ha="center",
+                    va="bottom", fontsize="x-small")
     values = [v for row in rows for mode in modes for v in row["modes"][mode]["steps_per_s"]
               if v]
     ax.set_yscale("log")
@@ -272,6 +272,10 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds per run "
                                                                   f"(default {TIMEOUT:g})")
     p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
+    p.add_argument("--table", type=Path, metavar="JSON",
+                   help="run nothing: write the table and the plot of the runs in a "
+                        "distribute.json written before to --out (after a change to how they "
+                        "are drawn)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
@@ -298,13 +302,14 @@ def _revision() -> str:
 def main(argv=None, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.table:
+        saved = json.loads(args.table.read_text())
+        write(saved["meta"], saved["runs"], args.out, log)
+        return 0
     started = time.perf_counter()
     runs = measure(args.replicas, args.modes, steps=args.steps, warmup=args.warmup,
                    repeats=args.repeats, seed=args.seed, timeout=args.timeout, log=log)
-    rows = summarize(runs, args.replicas, args.modes, args.rtol, args.atol)
-    text = table(rows, args.steps, args.warmup)
-    print(text)
-    meta = dict(command="python -m benchmarks.distribute " + shlex.join(argv),
+    meta = dict(command=" ".join(["python -m benchmarks.distribute", shlex.join(argv)]).strip(),
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 revision=_revision(), python=platform.python_version(), cpus=os.cpu_count(),
                 replicas=args.replicas, modes=args.modes, steps=args.steps,
@@ -313,18 +318,26 @@ def main(argv=None, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> 
                 tensorflow=next((r["tensorflow"] for r in runs if "tensorflow" in r), None),
                 keras=next((r["keras_version"] for r in runs if "keras_version" in r), None),
                 terra_env={k: v for k, v in os.environ.items() if k.startswith("TERRA_")})
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "distribute.json").write_text(json.dumps(dict(meta=meta, rows=rows, runs=runs),
-                                                         indent=1))
-    (args.out / "distribute.md").write_text(
-        f"`{meta['command']}` at {meta['revision']} ({meta['date']}; TensorFlow "
-        f"{meta['tensorflow']}, Keras {meta['keras']}, Python {meta['python']}, "
-        f"{meta['cpus']} CPUs; {args.warmup} warm-up and {args.steps} timed steps, "
-        f"{args.repeats} paired repeat(s))\n\n{text}\n")
-    plot(rows, args.modes, args.out / "distribute.png")
-    log(f"wrote {args.out / 'distribute.json'}, {args.out / 'distribute.md'}, "
-        f"{args.out / 'distribute.png'} ({meta['wall_s']:.0f} s)")
+    write(meta, runs, args.out, log)
     return 0
+
+
+def write(meta: dict, runs: list[dict], out: Path, log) -> None:
+    """Summarize the runs; print the table and write it, the JSON and the plot to ``out``."""
+    rows = summarize(runs, meta["replicas"], meta["modes"], meta["rtol"], meta["atol"])
+    text = table(rows, meta["steps"], meta["warmup"])
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "distribute.json").write_text(json.dumps(dict(meta=meta, rows=rows, runs=runs),
+                                                    indent=1))
+    (out / "distribute.md").write_text(
+        f"`{meta['command'].strip()}` at {meta['revision']} ({meta['date']}; TensorFlow "
+        f"{meta['tensorflow']}, Keras {meta['keras']}, Python {meta['python']}, "
+        f"{meta['cpus']} CPUs; {meta['warmup']} warm-up and {meta['steps']} timed steps, "
+        f"{meta['repeats']} paired repeat(s))\n\n{text}\n")
+    plot(rows, meta["modes"], out / "distribute.png")
+    log(f"wrote {out / 'distribute.json'}, {out / 'distribute.md'}, "
+        f"{out / 'distribute.png'}")
 
 
 if __name__ == "__main__":

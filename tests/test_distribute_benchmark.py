@@ -105,3 +105,8 @@ def test_one_real_run_on_two_replica_counts(tmp_path):
     text = (tmp_path / "distribute.md").read_text()
     assert text.count("Terra bit for bit") == len(replicas)
     assert (tmp_path / "distribute.png").stat().st_size > 0
+    # the table again from the saved runs, written elsewhere: the same table
+    again = tmp_path / "again"
+    assert distribute.main(["--table", str(tmp_path / "distribute.json"), "--out", str(again)],
+                           log=lambda _: None) == 0
+    assert (again / "distribute.md").read_text() == text
