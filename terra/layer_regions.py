@@ -47,17 +47,15 @@ import types
 import weakref
 
 from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
-from tensorflow.python.util import nest
 
-from terra import boundary, function_regions, interception, runtime
+from terra import boundary, function_regions, interception, runtime, user_layers
 from terra.keras_families import FAMILIES
 from terra.library_regions import Watch, attributes, changed_names, flatten_call
 from terra.location import in_user_loop, user_location
-from terra.nodes import FUNCTION_TOKEN, ExtRef
+from terra.nodes import FUNCTION_TOKEN, NodeKind
+from terra.region_values import argument_reads, decode, encode
 from terra.skips import Learn
 
-_EagerTensor = ops.EagerTensor
 _installed = []
 
 
@@ -89,7 +87,7 @@ class _State:
     layer's state has: a call mark names its layer by it (two Dense layers called alike are
     told apart, and a layer made anew gets a new number where it could get an old ``id``)."""
 
-    __slots__ = ("last", "off", "token", "mixed")
+    __slots__ = ("last", "off", "token", "mixed", "users", "guards")
     _tokens = itertools.count()
 
     def __init__(self, off):
@@ -97,6 +95,8 @@ class _State:
         self.off = off
         self.token = next(self._tokens)
         self.mixed = set()  # the user's lines that called it with an argument no tensor
+        self.users = False  # it or a layer inside it is the user's (``terra.user_layers``)
+        self.guards = None  # user_layers.Guards, after its first call ran
 
 
 class LayerRegions:
@@ -121,18 +121,24 @@ class LayerRegions:
         if guard is None:
             return original(layer, *args, **kwargs)
         state, before, attrs, tensors = guard
+        monitor = user_layers.Monitor() if state.users else None
+
+        def run():  # the user's Python is watched whenever it runs (traced, or op by op)
+            if monitor is None:
+                return original(layer, *args, **kwargs)
+            with monitor:
+                return original(layer, *args, **kwargs)
 
         def after(err=None):  # the call ran: may a later one be skipped? (``err``: Terra's
             if err is not None:  # own failure on the way: no more regions for the layer)
                 state.off = f"Terra error {type(err).__name__}"
                 return False
-            self._after(layer, state, before, family)
+            self._after(layer, state, before, family, monitor)
             return state.off is None
 
         self.depth += 1
         try:
-            return self._region(rt, lambda: original(layer, *args, **kwargs), attrs, tensors,
-                                after)
+            return self._region(rt, run, attrs, tensors, after)
         finally:
             self.depth -= 1
 
@@ -160,15 +166,32 @@ class LayerRegions:
         finally:
             self.depth -= 1
 
+    def branched(self, tracegraph) -> bool:
+        """Turn off the regions of the user's layers whose calls' ops differ between traces
+        with equal marks (a dropout inside that runs in training calls only, the traces'
+        nodes merged after the marks): such a region is never skipped, and the library
+        layers inside it would be regions of their own. Whether one was turned off."""
+        users = {state.token: (layer, state) for layer, state in self._states.items()
+                 if state.users and state.off is None}
+        found = False
+        for node in tracegraph.nodes if users else ():
+            if node.kind is NodeKind.MARK and node.op_type == "call" and \
+                    len(node.attrs) > 1 and node.attrs[1] in users and _branches(node):
+                layer, state = users.pop(node.attrs[1])
+                self._off(layer, state, "its calls' ops differ between traces (a branch "
+                          "inside it), so the layers inside it are regions of their own")
+                found = True
+        return found
+
     def _region_guard(self, rt, layer, args, kwargs, family):
         """None if this call is no region, else (state, attributes, attrs, tensors)."""
         state = self._states.get(layer)
         if state is None:
             state = self._states[layer] = _State(None)
-            why = _ineligible(layer, family)
-            if why is not None and not family.excludes(type(layer)):
-                self._off(layer, state, why)  # a library's layer: say why it runs its Python
-            state.off = why
+            why, state.users = _ineligible(layer, family)
+            if why is not None and (state.users or not family.excludes(type(layer))):
+                self._off(layer, state, why)  # a library's or the user's layer that could
+            state.off = why  # have been a region: say why it runs its Python
         if state.off is not None:
             return None
         try:
@@ -196,7 +219,7 @@ class LayerRegions:
                     self.skipped_functions += 1
                 else:
                     self.skipped += 1
-                return _decode(*skipped, tensors)
+                return decode(*skipped, tensors)
             learn = skipped if type(skipped) is Learn else None
         else:
             learn = None
@@ -209,9 +232,9 @@ class LayerRegions:
         found = None
         try:
             on = after is None or after()
-            returned, found = _encode(outputs, tensors)
+            returned, found = encode(outputs, tensors)
             if record is not None:  # what the traces tell about the region, for the skip
-                feeds = _argument_reads(rt.recorder, begin, real)
+                feeds = argument_reads(rt.recorder, begin, real)
                 # a custom gradient's backward function is Python's: no skip replays it
                 skip = on and rt.recorder.custom_gradients == customs
                 record.attrs = attrs + (found if skip else None, feeds)
@@ -236,6 +259,9 @@ class LayerRegions:
         if state.last is not None and before != state.last:
             return self._off(layer, state, "its Python attributes changed between two calls: "
                              + _changed(layer, state.last, before))
+        why = state.guards.changed() if state.guards is not None else None
+        if why is not None:
+            return self._off(layer, state, why)
         tensors, leaves = flatten_call(args, kwargs)
         # a call with an argument that is neither a tensor nor a number (a NumPy batch) runs
         # its Python, and so does every later call of the layer from the same line, whatever
@@ -258,15 +284,24 @@ class LayerRegions:
         return before, (f"{type(layer).__qualname__}.__call__", state.token, leaves, scope), \
             tensors
 
-    def _after(self, layer, state, before, family):
+    def _after(self, layer, state, before, family, monitor=None):
         """The call ran: one that changed the layer's attributes (after its first call,
-        which builds it) or added a loss turns its regions off."""
+        which builds it), added a loss or, the user's, had a Python side effect
+        (``monitor``) turns its regions off."""
         after = _attributes(layer, family, before)
-        if state.last is not None and after != before:
+        if monitor is not None and monitor.why is not None:
+            what, where = monitor.why
+            self._off(layer, state, f"its Python has a side effect: {what} at {where.file}:"
+                      f"{where.line}")
+        elif state.last is not None and after != before:
             self._off(layer, state, "the call changed its Python attributes: "
                       + _changed(layer, before, after))
         elif any(family.losses(sub) for sub in layer._flatten_layers()):
             self._off(layer, state, "its call added a loss")
+        elif monitor is not None:  # what its next calls are guarded by, this call's reads too
+            read = dict(state.guards.read) if state.guards is not None else {}
+            read.update(monitor.globals)
+            state.guards = user_layers.Guards(after.layers, read)
         state.last = after
 
     def _return(self, rt, returned, function):
@@ -287,6 +322,17 @@ class LayerRegions:
                   "calls run their Python", user_location())
 
 
+def _branches(call) -> bool:
+    """Whether the TraceGraph's nodes after ``call`` (a ``call`` mark) branch before the
+    next mark."""
+    node = call
+    while len(node.succs) == 1:
+        node = node.succs[0]
+        if node.kind is NodeKind.MARK:
+            return False
+    return True
+
+
 def _holds(layer):
     """Whether a loop variable's value is ``layer`` or a layer holding it."""
     def holds(value):
@@ -296,20 +342,29 @@ def _holds(layer):
 
 
 def _ineligible(layer, family):
-    """Why ``layer``'s calls cannot be regions, or None."""
+    """(why ``layer``'s calls cannot be regions or None, whether it or a layer inside it is
+    the user's)."""
+    users = False
     for sub in layer._flatten_layers():
         cls = type(sub)
-        if family.excludes(cls):
-            return f"{cls.__module__}.{cls.__qualname__} is not a library's layer class"
-        if not _library_code(cls.call):
-            return f"{cls.__qualname__}.call is not a library's"
+        if cls.__module__.startswith(family.excluded):
+            return f"{cls.__module__}.{cls.__qualname__} is not a library's layer class", users
+        if user_layers.is_users(cls):
+            users = True
+            why = user_layers.ineligible(sub)
+            if why is not None:
+                return f"{sub.name!r}: {why}", users
+        elif family.excludes(cls):
+            return f"{cls.__module__}.{cls.__qualname__} is not a library's layer class", users
+        elif not _library_code(cls.call):
+            return f"{cls.__qualname__}.call is not a library's", users
         if getattr(sub, "activity_regularizer", None) is not None:
-            return f"{sub.name!r} has an activity regularizer"
+            return f"{sub.name!r} has an activity regularizer", users
         for name, value in vars(sub).items():
             if isinstance(value, (types.FunctionType, types.MethodType)) and \
                     not _library_code(value) and getattr(value, "__self__", None) is not sub:
-                return f"{sub.name!r}.{name} is a function of the user's"
-    return None
+                return f"{sub.name!r}.{name} is a function of the user's", users
+    return None, users
 
 
 def _library_code(function) -> bool:
@@ -357,83 +412,3 @@ def _changed(layer, old, new):
                      zip(layer._flatten_layers(), old.value, new.value, strict=False)
                      if a != b) or \
         "its layers"
-
-
-def _encode(outputs, arguments):
-    """(the tensors among ``outputs`` that are not the call's own ``arguments``, the
-    structure of ``outputs`` as a hashable template: ``("t",)`` for the next such tensor
-    (``("t", "no mask")``: one tf_keras gave ``_keras_mask = None``),
-    ``("arg", i)`` for argument ``i``, ``("v", x)`` for a number), or a None template if
-    the outputs are something else (a tensor carrying Python attributes, another object). Plain
-    recursion, no closure: a recursive closure is a reference cycle, which would keep the
-    tensors alive past the iteration until the garbage collector ran (an escape)."""
-    by_id = {t._id: i for i, t in enumerate(arguments)}
-    returned = []
-    try:
-        template = _encoded(outputs, by_id, returned)
-    except _NotARegion:
-        return [t for t in nest.flatten(outputs) if type(t) is _EagerTensor and
-                t._id not in by_id], None
-    return returned, template
-
-
-def _encoded(x, by_id, returned):
-    kind = type(x)
-    if kind is _EagerTensor:
-        if x._id in by_id:
-            return ("arg", by_id[x._id])
-        if x.__dict__:  # Python attributes on the tensor (Keras' _keras_mask, a softmax's
-            if x.__dict__ != _NO_MASK:  # _keras_logits, which a loss reads): a stand-in
-                raise _NotARegion  # has none, but the no-mask tf_keras sets on every
-            returned.append(x)  # output of a layer that computes masks (a GRU's with
-            return ("t", "no mask")  # return_state)
-        returned.append(x)
-        return ("t",)
-    if kind in (int, float, bool, str, type(None)):
-        return ("v", x)
-    if kind in (list, tuple):
-        return (kind.__name__, tuple(_encoded(v, by_id, returned) for v in x))
-    if kind is dict:
-        return ("dict", tuple((k, _encoded(v, by_id, returned)) for k, v in x.items()))
-    raise _NotARegion
-
-
-_NO_MASK = {"_keras_mask": None}
-
-
-class _NotARegion(Exception):
-    pass
-
-
-def _argument_reads(recorder, begin, arguments):
-    """(op index in the region, input, argument index) of every input of the region's ops
-    (``recorder.records[begin:]``) that read one of the call's ``arguments`` as an external
-    tensor: what Python feeds when it skips the call."""
-    by_id = {t._id: i for i, t in enumerate(arguments)}
-    return tuple((j, k, by_id[ref.tensor._id])
-                 for j, record in enumerate(recorder.records[begin:])
-                 for k, ref in enumerate(record.inputs)
-                 if type(ref) is ExtRef and ref.tensor._id in by_id)
-
-
-def _decode(template, flat, arguments):
-    """The structure a skipped call returns: its ``template`` (the call mark's) filled with
-    the stand-ins ``flat`` and the call's ``arguments``."""
-    return _decoded(template, iter(flat), arguments)
-
-
-def _decoded(code, tensors, arguments):
-    kind = code[0]
-    if kind == "t":
-        t = next(tensors)
-        if len(code) > 1:  # (a stand-in with attributes is never handed out again)
-            t._keras_mask = None
-        return t
-    if kind == "arg":
-        return arguments[code[1]]
-    if kind == "v":
-        return code[1]
-    if kind == "dict":
-        return {k: _decoded(v, tensors, arguments) for k, v in code[1]}
-    values = [_decoded(v, tensors, arguments) for v in code[1]]
-    return values if kind == "list" else tuple(values)

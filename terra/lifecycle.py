@@ -125,6 +125,10 @@ class GraphLifecycle:
                 rec.records, lambda r: r.body_len if r.kind is NodeKind.GRAD else 0)
             if self.waits_for_first_graph():
                 return False  # not merged either: a graph that waits needs no TraceGraph yet
+        if recorded_otherwise and not self._stats.graph_generations:
+            # the traces before recorded a region that is none now: before any graph, they
+            # would only leave the graph a path no iteration takes again (a fallback there)
+            self.tracegraph = TraceGraph()
         regions_before = self.tracegraph.regions() if self._stats.graph_generations else None
         self.merged = True
         try:

@@ -144,7 +144,7 @@ _ARGUMENT = ("argument",)  # the producers data_tainted gives an argument read
 def argument_reads(call):
     """The (op index, input) pairs of a layer or function call's region that read one of
     the call's tensor arguments (its ``call`` mark: six attrs, the argument reads last;
-    ``layer_regions._argument_reads``); none for a library call's."""
+    ``region_values.argument_reads``); none for a library call's."""
     return {(j, k) for j, k, _ in call.attrs[-1]} if len(call.attrs) == 6 else set()
 
 

@@ -304,8 +304,8 @@ class Runtime(Exits):
             if covered is False and not self.lifecycle.merged:
                 self.phase = "waiting"  # the first trace predicts the graph would wait
                 return
-            if not covered:
-                return
+            if not covered or self.layers.branched(self.lifecycle.tracegraph):
+                return  # (a user's layer region turned off: trace on, its layers regions)
             if not self.lifecycle.should_generate(self.fallbacks_in_a_row):
                 self.phase = "waiting"  # eager until the budget affords building it again
                 return

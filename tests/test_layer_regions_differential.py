@@ -17,8 +17,11 @@ keras = tf.keras
 
 
 class Block(keras.layers.Layer):
-    """The user's own layer (no region) around built-in ones (regions): attention, layer
-    norm, dropout and a dense layer; the dropout gets ``training`` from the call context."""
+    """The user's own layer around built-in ones (regions): attention, layer norm, dropout
+    and a dense layer; the dropout gets ``training`` from the call context. It counts its
+    calls, a Python side effect, so it is no region itself and its layers are regions of
+    their own (the user's layers that are regions: ``test_user_layer_regions_differential``);
+    the programs return the count, which must be eager's."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -26,8 +29,10 @@ class Block(keras.layers.Layer):
         self.norm = keras.layers.LayerNormalization()
         self.drop = keras.layers.Dropout(0.2)
         self.dense = keras.layers.Dense(8, activation="gelu")
+        self.calls = 0
 
     def call(self, x, mask):
+        self.calls += 1
         x = self.norm(x + self.attention(x, x, attention_mask=mask))
         return self.dense(self.drop(x))
 
@@ -57,7 +62,7 @@ def _encoder_loop(tape_cls, steps, change=None):
         losses.append(float(loss))
         record_stats(f"step{step}")
     return {"losses": losses, "variables": variables,
-            "optimizer": list(optimizer.variables)}
+            "optimizer": list(optimizer.variables), "block_calls": block.calls}
 
 
 def test_built_in_layers_are_skipped_with_eagers_numbers():
@@ -248,7 +253,7 @@ def _varying_length_loop(tape_cls, steps):
         losses.append(float(loss))
         record_stats(f"step{step}")
     return {"losses": losses, "variables": variables,
-            "optimizer": list(optimizer.variables)}
+            "optimizer": list(optimizer.variables), "block_calls": block.calls}
 
 
 def test_calls_with_input_shapes_that_vary_are_skipped_once_learned_with_eagers_numbers():
