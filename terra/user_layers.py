@@ -75,10 +75,10 @@ _loads = {}  # code -> names of the globals it reads
 def is_users(cls) -> bool:
     """Whether the layer class ``cls`` is the user's (defined outside any installed library:
     ``terra.boundary``)."""
-    code = getattr(getattr(cls, "call", None), "__code__", None)
+    code = getattr(vars(cls).get("call"), "__code__", None)
     module = sys.modules.get(cls.__module__)
-    filename = getattr(module, "__file__", None) or (code.co_filename if code else "")
-    return not boundary.is_library(filename)
+    filename = getattr(module, "__file__", None) or (code.co_filename if code else None)
+    return filename is not None and not boundary.is_library(filename)  # (not ``object``)
 
 
 def ineligible(layer):
@@ -201,14 +201,17 @@ class Monitor:
             self._before(frame, event, arg)
         if self.why is not None:
             return
-        if event == "call":
-            code = frame.f_code
-            if _users(code):
-                self._enter_users(frame, code)
-            elif frame.f_back is not None and _users(frame.f_back.f_code):
-                self._library(frame, code)
-        elif event == "c_call" and _users(frame.f_code):
-            self._builtin(frame, arg)
+        try:  # (an exception here would be raised in the user's code)
+            if event == "call":
+                code = frame.f_code
+                if _users(code):
+                    self._enter_users(frame, code)
+                elif frame.f_back is not None and _users(frame.f_back.f_code):
+                    self._library(frame, code)
+            elif event == "c_call" and _users(frame.f_code):
+                self._builtin(frame, arg)
+        except Exception as err:  # noqa: BLE001 - Terra's own failure: the layer runs its Python
+            self._seen(frame, f"Terra error {type(err).__name__} while watching it")
 
     def _enter_users(self, frame, code):
         found = _store(code)
