@@ -180,7 +180,8 @@ def _users(code) -> bool:
 class Monitor:
     """Watches the Python of one call of a user's layer (``with monitor: ...``): ``why`` is
     the first side effect seen and where, ``globals`` what the user's code read of its
-    modules' globals. A profile function set before (a profiler's) is still called."""
+    modules' globals. Where another tool's profile function is set (a profiler's), nothing
+    is watched and the call counts as having a side effect."""
 
     __slots__ = ("why", "globals", "_before")
 
@@ -190,15 +191,20 @@ class Monitor:
 
     def __enter__(self):
         self._before = sys.getprofile()
-        sys.setprofile(self._event)
+        if self._before is None:
+            sys.setprofile(self._event)
+        else:  # another tool's (cProfile's is no Python function to pass events on to)
+            code = sys._getframe(1).f_code
+            self.why = ("another tool's profile function is set, so its Python cannot be "
+                        "watched", Location(code.co_filename, code.co_firstlineno,
+                                            code.co_name))
         return self
 
     def __exit__(self, *exc):
-        sys.setprofile(self._before)
+        if self._before is None:
+            sys.setprofile(None)
 
     def _event(self, frame, event, arg):
-        if self._before is not None:
-            self._before(frame, event, arg)
         if self.why is not None:
             return
         try:  # (an exception here would be raised in the user's code)

@@ -247,3 +247,21 @@ def test_a_tf_keras_user_model_appending_to_its_list_keeps_appending():
     assert outcome.terra["calls"] >= 10, outcome.report()  # (eager's: compared)
     # its inner layers, pure, are regions of their own
     assert outcome.stats.skipped_layer_calls >= 2 * outcome.stats.coexecuted, outcome.report()
+
+
+def test_under_another_profile_function_a_user_layer_runs_its_python():
+    """cProfile's profile function is none Python can pass events on to: the call is not
+    watched, so it counts as having a side effect (the numbers stay eager's either way)."""
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        with user_layers.Monitor() as monitor:
+            tf.reduce_sum(tf.ones((2,)))
+    finally:
+        profile.disable()
+    assert monitor.why is not None and "profile function" in monitor.why[0]
+    with user_layers.Monitor() as monitor:
+        tf.reduce_sum(tf.ones((2,)))
+    assert monitor.why is None
