@@ -2,10 +2,24 @@
 
 TF instantiates a function at its first call (Grappler, placement, partitioning, kernels):
 50-200 ms for the small corpus programs, 1.7 s for a MobileNetV3, up to 20 of their
-co-executed iterations. Done by the first co-executed iteration, the loop waits for it. Done
-here, the loop runs eager iterations meanwhile (eager's speed, nothing to undo), and the
-runtime co-executes from the first iteration boundary after it is over. Instantiation is C++
-and releases the GIL, so it overlaps with the loop's Python.
+co-executed iterations. Done by the first co-executed iteration, the loop waits for all of it.
+Done here, the loop runs an eager iteration meanwhile (eager's speed, nothing to undo).
+Instantiation is C++ and releases the GIL, so it overlaps with the loop's Python.
+
+**When co-execution starts.** Not when TF happens to finish: that moves with the machine's
+load, and so would the iterations co-executed, and with them every decision the ledger takes
+from them. The graph co-executes from a fixed iteration: the one after the iteration that
+begins right after generation, which runs eagerly while TF instantiates. There the loop waits
+for TF if it is not done (``GraphLifecycle.instantiated``; past ``config.timeout``, Terra
+gives up and runs eagerly, saying so in ``explain()``). Why not run more eager iterations
+beside the instantiation, as many as the graph's size predicts it takes (counted, so as
+deterministic)? On 2 cores the two slow each other (an eager DCGAN step beside it took up to
+twice its time), and the run is slower: from the graph's generation to step 30 of the start-up
+benchmark, DCGAN took 2.2 s with one eager iteration beside the instantiation and the wait,
+against 2.9 s with three (what its size predicted), loss_branch 0.57 against 0.64 s (three),
+counter_branch 1.06 against 1.38 s (seven; medians of 4 alternating runs on a loaded
+machine). An iteration run eagerly once the graph is ready costs what co-executing it would
+have saved; the wait costs at most the rest of the instantiation, which then has the cores.
 
 Generation itself (emitting the graph's ops, Python) stays in the loop's thread: in another
 one it takes turns with the loop's Python for the GIL, and each eager op that releases the

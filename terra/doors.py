@@ -12,7 +12,7 @@ read the hook table (``terra.hooks``), which they never fill.
 """
 
 import threading
-from time import perf_counter as _clock
+from time import process_time as _clock  # an op's kernels may run in TF's threads
 
 from tensorflow.python.eager.core import _FallbackException
 from tensorflow.python.framework import ops

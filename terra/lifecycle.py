@@ -49,6 +49,7 @@ class GraphLifecycle:
         self._missed = None  # the call this iteration fell back at, counted already
         self._generation_time = 0.0  # of the iteration that is ending
         self._pending = None  # a background.Instantiation under way
+        self._starts_at = 0  # the iteration its graph co-executes from (background.py)
         # per graph with XLA functions: (compiled before use, functions, seconds it took)
         self.compiled = []
         self._noted_first_wait = False  # explain() says why the first graph waits
@@ -58,7 +59,7 @@ class GraphLifecycle:
         self._size = (0, 0)
         self.merged = False  # whether a trace was merged into the TraceGraph
         self.census = PathCensus()  # the paths the merged traces took (terra.census)
-        self._exploring = None  # seconds of recording since traces were covered, unsettled
+        self._exploring = None  # ops recorded since traces were covered, unsettled
         self._built_from = None  # how many paths the last graph was built from
         self._recording = 0.0  # seconds the ending iteration's recorder took
         self._stats = stats
@@ -70,20 +71,20 @@ class GraphLifecycle:
     def book(self, began, judge, cpu_began=None):
         """Enter the iteration that just ended in the cost ledger, less the time generating
         a graph took in it. ``began``: ``(phase, start time, site it fell back at or False)``,
-        or None if none began; ``cpu_began``: the process's CPU time then. With ``judge``
-        (Terra was tracing or co-executing), raise :class:`Pause` if Terra is not earning
-        back what it costs (``terra.budget``)."""
-        if began is not None:
-            phase, start, fell = began
+        or None if none began; ``cpu_began``: the process's CPU time then, which is what the
+        ledger books (``terra.budget``: other processes on the cores do not move it). With
+        ``judge`` (Terra was tracing or co-executing), raise :class:`Pause` if Terra is not
+        earning back what it costs."""
+        if began is not None and cpu_began is not None:
+            phase, _, fell = began
             kind = ("fell back" if fell else "eager" if phase in _EAGER_PHASES else
                     "instantiating" if phase == "instantiating" else
                     "traced" if phase == "tracing" else "coexecuted")
             # a traced iteration is an eager one plus recording: its callback's share is not
             # eager's time (the ledger takes traced iterations for a bound of eager's)
             extra = self._generation_time + (self._recording if kind == "traced" else 0.0)
-            cpu = None if cpu_began is None else time.process_time() - cpu_began - extra
-            self.ledger.iteration(kind, time.perf_counter() - start - extra,
-                                  site=fell if fell else None, cpu=cpu)
+            self.ledger.iteration(kind, time.process_time() - cpu_began - extra,
+                                  site=fell if fell else None)
         self._generation_time = self._recording = 0.0
         verdict = self.ledger.verdict() if judge else None
         if verdict is not None:
@@ -146,13 +147,16 @@ class GraphLifecycle:
             self._count_region_misses(regions_before)
         if config.check:
             self.tracegraph.lint()
-        return covered and self._settled(rec.seconds)
+        return covered and self._settled(len(rec.records))
 
-    def _settled(self, recording) -> bool:
+    def _settled(self, recorded) -> bool:
         """After a covered trace: whether the program's paths look settled enough to build
         the graph (``terra.census``: a new path's chance at most ``config.new_path_risk``).
-        Else trace on, unless tracing on has already cost (``recording`` seconds this trace)
-        what building the graph would: a wrong guess then costs at most twice the best one.
+        Else trace on, unless tracing on has already cost (``recorded`` ops this trace) what
+        building the graph would: a wrong guess then costs at most twice the best one. Both
+        costs are predicted from counts (``Ledger.tracing_on_costs``: ops recorded, nodes to
+        build), not timed: the same program traces as long on a busy machine as on an idle
+        one.
 
         Asked of the first graph, and of a graph built again where the last was built from
         two or more paths: the program draws its paths. A graph of one path that met
@@ -173,12 +177,12 @@ class GraphLifecycle:
                        f"is ~{chance:.0%} ({len(self.census)} traces and "
                        f"{self._stats.coexecuted} co-executed iterations, terra.census): "
                        "tracing on before building the graph")
-        self._exploring += recording
-        cost = self.ledger.build_cost(*self._size)
-        if self._exploring < cost:
+        self._exploring += recorded
+        if not self.ledger.tracing_on_costs(self._exploring, *self._size):
             return False
         self._note("building", f"new paths may still come ({chance:.0%}), but tracing on has "
-                   f"cost {self._exploring:.2f}s, what building the graph would (~{cost:.2f}s)")
+                   f"recorded {self._exploring} ops, what building the graph of "
+                   f"{self._size[0]} nodes would cost (Ledger.tracing_on_costs)")
         return True
 
     def should_generate(self, fallbacks_in_a_row) -> bool:
@@ -245,7 +249,7 @@ class GraphLifecycle:
         with XLA functions is installed at once, compiled (``terra.precompile``): the loop
         waits for that, as for generation. Raises :class:`GiveUp` if it cannot be generated
         (the program stays eager)."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # generation is the loop thread's (terra.background)
         self._exploring = None
         self._recurring = False
         self._built_from = self.census.paths(self.tracegraph.trips)
@@ -257,14 +261,15 @@ class GraphLifecycle:
         except Exception as e:  # noqa: BLE001 - an ungeneratable graph means: stay eager
             raise GiveUp(f"graph generation failed: {type(e).__name__}: {e}") from None
         finally:
-            took = time.perf_counter() - t0
+            took = time.thread_time() - t0
             self._generation_time += took
             self.ledger.generation(took)
         if graph.xla_segments:
             self._compile(graph)
             return graph
-        if config.background:  # eager iterations until TF has instantiated it
+        if config.background:  # the next iteration runs eagerly while TF instantiates it
             self._pending = background.Instantiation(graph, self._stats.iterations)
+            self._starts_at = self._stats.iterations + 2  # the one after (terra.background)
             return None
         return graph
 
@@ -272,7 +277,7 @@ class GraphLifecycle:
         """Instantiate ``graph`` and compile its XLA functions before it co-executes; the
         time is the graph's cost, as generation's. If that fails, the graph's first call
         fails the same way, which the GraphRunner handles."""
-        t0 = time.perf_counter()
+        t0, wall = time.process_time(), time.perf_counter()  # XLA compiles in threads
         try:
             compiled = precompile.compile_before_use(graph)
         except Exception as e:  # noqa: BLE001 - noted; the graph's first call will tell
@@ -280,22 +285,32 @@ class GraphLifecycle:
                 raise
             self._note("Terra error (compiling the graph)", f"{type(e).__name__}: {e}")
             compiled = 0
-        took = time.perf_counter() - t0
+        took, wall = time.process_time() - t0, time.perf_counter() - wall
         self._generation_time += took
         self.ledger.generation(took)
-        self.compiled.append((compiled, len(graph.xla_segments), took))
+        self.compiled.append((compiled, len(graph.xla_segments), wall))
         self._note("graph compiled", f"{compiled} of the {len(graph.xla_segments)} XLA "
                    f"functions of its body compiled, and the graph instantiated, in "
-                   f"{took:.2f}s before it co-executes (the rest, and those of switch-case "
+                   f"{wall:.2f}s before it co-executes (the rest, and those of switch-case "
                    "branches, compile at their first call)")
 
     def instantiated(self):
-        """The graph instantiated in the background, once that is over (else None): the
-        runtime co-executes it from this iteration on. If instantiation failed, the graph's
-        first call fails the same way, which the GraphRunner handles."""
-        if self._pending is None or not self._pending.done():
+        """The graph instantiated in the background, at the iteration generation set for it
+        (else None): the runtime co-executes it from this iteration on, waiting here for TF
+        if it is not done yet (``terra.background``: a fixed iteration, whatever the load).
+        If instantiation failed, the graph's first call fails the same way, which the
+        GraphRunner handles. Raises :class:`GiveUp` if TF is not done within
+        ``config.timeout``."""
+        if self._pending is None or self._stats.iterations < self._starts_at:
             return None
         pending, self._pending = self._pending, None
+        wall, cpu = time.perf_counter(), time.process_time()
+        done = pending.wait(config.timeout)
+        waited = time.perf_counter() - wall
+        self.ledger.spend(time.process_time() - cpu)  # TF's work the loop waited for
+        if not done:
+            raise GiveUp(f"TF did not finish instantiating the graph within {config.timeout:.0f}s "
+                         "(TERRA_TIMEOUT)")
         try:
             pending.result()
         except Exception as e:  # noqa: BLE001 - noted; the graph's first call will tell
@@ -303,9 +318,10 @@ class GraphLifecycle:
                 raise
             self._note("Terra error (instantiating the graph)", f"{type(e).__name__}: {e}")
         first, last = pending.iteration + 1, self._stats.iterations - 1
-        self._note("graph instantiated", f"in the background in {pending.seconds:.2f}s, "
-                   + (f"while iterations {first}-{last} ran eagerly" if last >= first else
-                      "before the next iteration began"))
+        ran = (f"iteration {first}" if last == first else f"iterations {first}-{last}")
+        self._note("graph instantiated", f"in the background in {pending.seconds:.2f}s, while "
+                   f"{ran} ran eagerly"
+                   + (f"; the loop then waited {waited:.2f}s" if waited >= 0.005 else ""))
         return pending.graph
 
     def shutdown(self):

@@ -1,12 +1,11 @@
 """XLA's compilation of a new graph's compiled functions, before co-execution begins.
 
 XLA compiles a function at its first call. Left to the graph's first call, that is the first
-co-executed iteration, which then waits for every segment in turn (YOLOv3: 15 s, DCGAN: 5 s):
-a run that co-executes from a given iteration on pays it there, and with the graph
-instantiated in the background, co-execution begins at an iteration that depends on timing.
-Here each compiled function of the graph's body is called once, right after generation, on
-fresh variables and tensors of the shapes the traced graph holds (integers with the values its
-static shapes give, zeros otherwise: :class:`_Arg`): XLA's cache is keyed by
+co-executed iteration, which then waits for every segment in turn (YOLOv3: 15 s, DCGAN: 5 s),
+where it measures as a slow co-executed iteration. Here each compiled function of the graph's
+body is called once, right after generation, on fresh variables and tensors of the shapes the
+traced graph holds (integers with the values its static shapes give, zeros otherwise:
+:class:`_Arg`): XLA's cache is keyed by
 the function and its arguments' shapes and types, so the graph's first call finds them
 compiled. The call goes through a caller built like the graph's call (a
 ``StatefulPartitionedCall`` with ``_XlaMustCompile`` inside a function): XLA's cache for

@@ -170,7 +170,6 @@ class Runtime(Exits):
         self._began = None
 
     def _begin_iteration(self):
-        began, self._cpu_began = time.perf_counter(), time.process_time()
         self.lifecycle.begin_iteration()
         self.sites.begin_iteration()
         s = self.stats
@@ -178,10 +177,15 @@ class Runtime(Exits):
         if self.phase == "warmup" and s.iterations > config.warmup or \
                 self.phase == "waiting" and self.lifecycle.may_build():
             self.phase = "tracing"
-        if self.phase == "instantiating":
-            graph = self.lifecycle.instantiated()
+        if self.phase == "instantiating":  # (waits for TF at the iteration set for it)
+            try:
+                graph = self.lifecycle.instantiated()
+            except GiveUp as why:
+                self._give_up(str(why))
+                graph = None
             if graph is not None:
                 self._install(graph)
+        began, self._cpu_began = time.perf_counter(), time.process_time()
         if self.phase == "tracing":
             self._start_recording()
         elif self.phase == "coexecution":
@@ -241,7 +245,7 @@ class Runtime(Exits):
         (``terra.verify``); the ledger does not book that time, which the user chose. A
         difference ends co-execution for the run (the variables are eager's), then raises
         or warns; Terra's own failure (``fail_safe``) leaves the graph's results standing."""
-        spent = self.stats.verify_time
+        spent, cpu = self.stats.verify_time, time.process_time()
         try:
             difference = self.verifier.check(kept, self)
         except Exception as err:  # noqa: BLE001 - Terra's own failure
@@ -250,7 +254,7 @@ class Runtime(Exits):
         if self._began is not None:
             phase, start, fell = self._began
             self._began = (phase, start + self.stats.verify_time - spent, fell)
-            self._cpu_began += self.stats.verify_time - spent
+            self._cpu_began += time.process_time() - cpu
         if difference is not None:
             self._give_up(f"verify mode: {difference}")
             verify.report(difference)

@@ -28,7 +28,7 @@ pass it differentiates (:func:`cone_of`), whether its tape recorded that pass
 
 import traceback
 import weakref
-from time import perf_counter as _clock
+from time import thread_time as _clock  # the callback runs on the loop's thread
 
 import numpy as np
 from tensorflow.python import pywrap_tfe
@@ -123,8 +123,10 @@ class Recorder:
         self.region_location = None  # ... and its user's line
         self.custom_gradients = 0  # tf.custom_gradient functions run (interception._record)
         self.broken = None  # Terra's own traceback if recording failed: the trace is dropped
-        # seconds in the op callback, and in TF's execution of the ops recorded (the doors
-        # add it up; the callback's time is part of it): the cost ledger's profile
+        # CPU seconds in the op callback (the loop's thread), and in TF's execution of the ops
+        # recorded (the process's: kernels may run in TF's pools; the doors add it up; the
+        # callback's time is part of it): the cost ledger's profile, in CPU time as the
+        # ledger is (terra.budget)
         self.seconds = 0.0
         self.executing = 0.0
 

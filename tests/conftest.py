@@ -8,8 +8,8 @@ from pathlib import Path
 # (terra.budget) would end co-execution in tests that need it. Budget tests set it themselves.
 os.environ.setdefault("TERRA_BUDGET", "inf")
 # Tests that inject a fault into, or change the path of, a given step need that step to be
-# co-executed: with the graph instantiated in the background, co-execution starts at an
-# iteration that depends on timing. The background mode (the default) has its own tests.
+# co-executed: with the graph instantiated in the background, co-execution starts one
+# iteration later (terra.background). The background mode (the default) has its own tests.
 os.environ.setdefault("TERRA_BACKGROUND", "0")
 # The TraceGraph's invariants are checked after every merge and every generation pass.
 os.environ.setdefault("TERRA_CHECK", "1")

@@ -1,6 +1,6 @@
-"""The new graph is instantiated in the background while the loop runs on eagerly
-(``terra.background``, Terra's default; the rest of the suite turns it off to pin the first
-co-executed step)."""
+"""The new graph is instantiated in the background while the loop runs one iteration eagerly,
+and co-executes from the next, whenever TF finishes (``terra.background``, Terra's default;
+the rest of the suite turns it off to pin the first co-executed step)."""
 
 import random
 import threading
@@ -118,9 +118,59 @@ def test_reset_waits_for_an_instantiation_under_way(monkeypatch):
 
     monkeypatch.setattr(background, "instantiate", slow)
     terra.reset()
-    try:
-        mlp_loop(terra.TerraGradientTape, 5)
+    try:  # warm-up, two traces, and the iteration that generates the graph
+        mlp_loop(terra.TerraGradientTape, 4)
         assert runtime.get().phase == "instantiating", terra.explain()
     finally:
         terra.reset()
     assert not [t for t in threading.enumerate() if t.name == "terra-instantiate"]
+
+
+def test_coexecution_starts_at_the_same_iteration_however_long_tf_takes(monkeypatch):
+    """Iteration 4 generates the graph and runs eagerly while TF instantiates it; iteration 5
+    waits for TF and co-executes, whether TF took no time or half a second."""
+    original = background.instantiate
+    phases = {}
+    for delay in (0.0, 0.5):
+        def slow(graph, delay=delay):
+            time.sleep(delay)
+            original(graph)
+
+        monkeypatch.setattr(background, "instantiate", slow)
+        terra.reset()
+        try:
+            mlp_loop(terra.TerraGradientTape, 6)
+            stats = terra.stats()
+            phases[delay] = (stats.graph_generations, stats.coexecuted, stats.phase)
+        finally:
+            terra.reset()
+    # iteration 5 co-executed and closed, iteration 6 co-executes and is still open
+    assert phases[0.0] == phases[0.5] == (1, 1, "coexecution"), phases
+
+
+def test_an_instantiation_past_the_timeout_runs_eagerly(monkeypatch):
+    """TF never finishing (an instantiation stuck for longer than ``config.timeout``): the
+    iteration that would co-execute stops waiting, and Terra runs eagerly for the rest of the
+    run, with eager's numbers, saying why."""
+    original, release = background.instantiate, threading.Event()
+
+    def stuck(graph):
+        release.wait(60)
+        original(graph)
+
+    monkeypatch.setattr(background, "instantiate", stuck)
+    before = config.timeout
+
+    def program(tape_cls, steps):
+        if tape_cls is not terra.TerraGradientTape:
+            return mlp_loop(tape_cls, steps)
+        terra.configure(timeout=0.5)
+        try:
+            return mlp_loop(tape_cls, steps)
+        finally:
+            terra.configure(timeout=before)
+            release.set()
+
+    outcome = assert_same_as_eager(program, 8, min_coexecuted=0)
+    assert outcome.stats.phase == "eager" and outcome.stats.coexecuted == 0, outcome.report()
+    assert "did not finish instantiating the graph" in outcome.explain, outcome.report()
