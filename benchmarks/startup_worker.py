@@ -66,8 +66,10 @@ def run(suite: str, program: str, mode: str, steps: int, seed: int = 0) -> dict:
             _watch(records, generations, clock)
         driver = {"ten": _ten, "control_flow": _control_flow, "corpus": _corpus}[suite]
         where = "the run"
-        end, losses, build_s = driver(program, mode, steps, seed, clock)
+        end, losses, build_s, *state = driver(program, mode, steps, seed, clock)
         result["build_s"] = build_s
+        if state:
+            result["state_digest"] = state[0]
         began = clock.began
         if len(began) != steps:
             raise RuntimeError(f"{len(began)} steps began, {steps} asked for")
@@ -173,13 +175,17 @@ def _ten(program, mode, steps, seed, clock):
 def _control_flow(program, mode, steps, seed, clock):
     """A control-flow test program with a tape class that ticks the clock at each entry into
     an outermost tape: the program's loop is its own, so a tape entry is where a step
-    begins."""
+    begins. ``program``: a function of ``tests/test_control_flow_differential.py``, or
+    ``module:function`` of any test module written the same way (``tests/test_steady.py``).
+    Besides the losses, a digest of everything else the program returns (gradients, every
+    variable), to compare with eager's bit for bit."""
     sys.path.insert(0, str(ROOT / "tests"))
     import tensorflow as tf
-    import test_control_flow_differential as programs
 
     import terra
 
+    module, _, name = program.rpartition(":")
+    programs = importlib.import_module(module or "test_control_flow_differential")
     base = terra.TerraGradientTape if mode == "terra" else tf.GradientTape
     depth = [0]
 
@@ -194,8 +200,40 @@ def _control_flow(program, mode, steps, seed, clock):
             depth[0] -= 1
             return super().__exit__(*exc)
 
-    out = getattr(programs, program)(Tape, steps)
-    return time.perf_counter(), [float(x) for x in out["losses"]], None
+    out = getattr(programs, name)(Tape, steps)
+    end = time.perf_counter()
+    rest = {k: v for k, v in out.items() if k != "losses"}
+    return end, [float(x) for x in out["losses"]], None, _digest(rest)
+
+
+def _digest(value) -> str:
+    """A hash of every number in ``value`` (nested dicts, lists, tensors, variables, arrays),
+    with their shapes and dtypes: two runs' digests agree only if every number does, bit
+    for bit."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256()
+
+    def add(v):
+        if isinstance(v, dict):
+            for k in sorted(v):
+                h.update(repr(k).encode())
+                add(v[k])
+        elif isinstance(v, (list, tuple)):
+            h.update(b"[%d" % len(v))
+            for x in v:
+                add(x)
+        elif v is None:
+            h.update(b"None")
+        else:
+            a = np.asarray(v)
+            h.update(f"{a.dtype}{a.shape}".encode())
+            h.update(np.ascontiguousarray(a).tobytes())
+
+    add(value)
+    return h.hexdigest()
 
 
 def _corpus(program, mode, steps, seed, clock):
