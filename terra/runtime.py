@@ -3,7 +3,8 @@
 An iteration starts when an outermost Terra tape is entered and ends when the next one is.
 Phases: ``warmup`` (eager, untraced: Keras creates optimizer slots in the first step),
 ``tracing`` (eager + Recorder until a trace adds nothing to the TraceGraph), ``instantiating``
-(eager while TF instantiates the new graph in the background, ``terra.background``),
+(one iteration eager while TF instantiates the new graph in the background; the next waits
+for TF if need be and co-executes, ``terra.background``),
 ``coexecution`` (PythonRunner + GraphRunner), ``waiting`` (eager until the cost budget affords
 building the graph again) and ``eager`` when the TraceGraph cannot be co-executed
 (``explain()`` says why). A fallback returns from co-execution to tracing mid-iteration,
