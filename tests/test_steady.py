@@ -82,17 +82,18 @@ def _busy(cores=2):
 
 
 def test_the_same_decisions_idle_and_beside_two_busy_processes():
-    """Idle: each Terra run alone. Busy: two processes that never sleep, and beside them
-    every program under Terra and eagerly at once (the eager runs are eager's numbers)."""
+    """Idle: each Terra run alone. Busy: two processes that never sleep, and beside them both
+    programs under Terra at once. Then both eagerly, at once (eager's numbers)."""
     idle, = _runs("terra")
     hogs = _busy()
     try:
-        busy, eager = _runs("terra", "eager", together=True)
+        busy, = _runs("terra", together=True)
     finally:
         for hog in hogs:
             hog.kill()
         for hog in hogs:
             hog.wait()
+    eager, = _runs("eager", together=True)
     for program, quiet, loaded, reference in zip(PROGRAMS, idle, busy, eager, strict=True):
         calm, rush = decisions(quiet), decisions(loaded)
         report = f"{program}:\n idle {calm}\n busy {rush}\n{quiet.get('explain')}"
