@@ -1,6 +1,7 @@
 /* terra._native: the module, its globals and the door. See _native.h. */
 #include "_native.h"
 #include <pythread.h>
+#include <structmember.h>
 
 PyTypeObject *ET, *EntryType, *LaneType, *LoggedOpType;
 PyObject *tensors, *converted, *stopped, *pack_fast;
@@ -32,7 +33,8 @@ typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     PyObject *rt, *python_entry, *failed;
-    unsigned long owner;  /* the runtime's loop thread (``Runtime.owner``, set once) */
+    unsigned long owner;  /* the thread Terra serves (``Runtime.owner``; ``Runtime.take_turn``
+                           * sets it as a MirroredStrategy's replica threads take turns) */
     Lane *last;           /* the twin that answered the op before, if it was the last op */
 } Door;
 
@@ -169,6 +171,11 @@ door_dealloc(Door *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static PyMemberDef door_members[] = {
+    {"owner", T_ULONG, offsetof(Door, owner), 0, "the thread whose ops this door answers"},
+    {NULL},
+};
+
 static PyTypeObject DoorType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "terra._native.Door",
@@ -179,6 +186,7 @@ static PyTypeObject DoorType = {
     .tp_vectorcall_offset = offsetof(Door, vectorcall),
     .tp_call = PyVectorcall_Call,
     .tp_new = door_new,
+    .tp_members = door_members,
     .tp_traverse = (traverseproc)door_traverse,
     .tp_clear = (inquiry)door_clear,
     .tp_dealloc = (destructor)door_dealloc,

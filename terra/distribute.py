@@ -25,6 +25,8 @@ import threading
 
 from tensorflow.python.distribute import distribute_lib, mirrored_run, one_device_strategy
 
+from terra import replicas
+
 
 def why_plain():
     """Why a tape entered now must act as a plain GradientTape because of the ``tf.distribute``
@@ -35,7 +37,10 @@ def why_plain():
     if isinstance(strategy.extended, one_device_strategy.OneDeviceExtended):
         return None
     name = _public_name(type(strategy))
-    if isinstance(threading.current_thread(), mirrored_run._MirroredReplicaThread):
+    thread = threading.current_thread()
+    if replicas.replica_of(thread) is not None:
+        return None  # a MirroredStrategy's replica: its turns are the loop's (terra.replicas)
+    if isinstance(thread, mirrored_run._MirroredReplicaThread):
         return (f"a tape in a replica thread of {name}.run: an eager strategy.run runs each "
                 "replica's step in a thread of its own, new for every call, and reduces the "
                 "replicas' values on the loop's thread between them; Terra co-executes the "

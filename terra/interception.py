@@ -254,6 +254,14 @@ def set_handler(handler):
     _handler = handler
 
 
+def take_turn(ident):
+    """The doors serve thread ``ident`` from now on, in place of the thread that held the
+    turn (``terra.replicas``); called in that thread, whose tapes' pause state is read."""
+    global _owner
+    _owner = ident
+    tapes_stopped[0] = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+
+
 @contextlib.contextmanager
 def paused():
     """Run Terra's own eager work (graph building, snapshots) without interception."""

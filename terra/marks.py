@@ -10,11 +10,13 @@ stand-ins.
 """
 
 import sys
+import threading
 
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import nest
 
+from terra import replicas
 from terra.divergence import Divergence
 from terra.hooks import tensors as _tensors
 from terra.location import entry_point, user_location
@@ -35,7 +37,11 @@ class TapeMarks:
         ``reenter`` continues the iteration it was first entered in."""
         rt = self.runtime
         what = "reenter" if tape.live else "enter"
-        if not rt.open_tapes and what == "enter":
+        run = replicas.replica_of(threading.current_thread())
+        # a replica's tape whose strategy.run began this iteration continues it: the
+        # replicas of one run are one iteration, as one thread (``terra.replicas``)
+        if not rt.open_tapes and what == "enter" and (run is None or run is not rt.run):
+            rt.run = run
             rt.next_iteration()
             rt.entry = entry_point(sys._getframe(1))  # the ``with`` of the iteration's tape
         rt.open_tapes.append(tape)

@@ -38,6 +38,7 @@ from terra import (
     layer_regions,
     library_regions,
     profiling,
+    replicas,
     syncs,
     verify,
 )
@@ -113,7 +114,15 @@ class Runtime(Exits):
         self.span = profiling.Phase()  # the profiler's span of the phase under way
         self.syncs = syncs.SyncLog()  # where Python waited for the graph (explain())
         self.ctx = context.context()
+        # the training loop's thread, and the thread whose ops and tapes Terra serves now:
+        # the loop's, or one of the replica threads of a MirroredStrategy.run it called,
+        # which take turns with it (``terra.replicas``); regions are recorded and skipped
+        # only on the loop's thread outside such a run (a region would span a replica's
+        # merge_call, and the turns of others)
+        self.loop_thread = replicas.loop_thread_of_current()
         self.owner = threading.get_ident()
+        self.region_owner = None if replicas.in_run() else self.owner
+        self.run = None  # the strategy.run (its Coordinator) this iteration's tapes are in
         self._graph_runner = None
         self._watchdog = None
         self.tracing_door = TracingDoor(self)
@@ -128,7 +137,18 @@ class Runtime(Exits):
         function_regions.install()
         hooks.install()
         interception.install()
+        replicas.install()
         interception.set_handler(self.tracing_door)
+
+    def take_turn(self, ident):
+        """The thread ``ident`` runs now, while the others of its strategy.run wait
+        (``terra.replicas``): Terra's doors and tape marks serve it from here on."""
+        self.owner = ident
+        self.region_owner = None if replicas.in_run() else ident
+        interception.take_turn(ident)
+        door = self.coexec_door.fast_entry
+        if hasattr(door, "owner"):
+            door.owner = ident
 
     @property
     def phase(self):

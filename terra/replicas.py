@@ -1,0 +1,128 @@
+"""The replica threads of an eager ``MirroredStrategy.run`` as turns of the training loop's
+thread.
+
+An eager ``strategy.run`` (``mirrored_run._call_for_each_replica``) starts one
+``_MirroredReplicaThread`` per local replica, new for every call, and runs them one at a time:
+the calling thread sets a replica's ``should_run`` event and waits for its ``has_paused``;
+the replica runs until its ``merge_call`` (the optimizer's all-reduce) or the end of the step;
+after every replica paused, the calling thread runs the merge function and the replicas
+resume, in order. So while a run lasts exactly one of those threads runs Python at a time,
+and the ops of an iteration, the loop's and every replica's, come in one order, the same in
+every iteration. Terra treats them as one thread of control: the thread that holds the
+*turn* is the one its doors, tape marks and recorder serve (``Runtime.owner``,
+``interception._owner``, the native door's ``owner``).
+
+A turn passes where a thread returns from waiting on one of those two events: replica threads
+of a run started by the loop's thread get :class:`_Turn` events (TF's own ``threading.Event``,
+whose ``wait`` then hands the turn to the thread that returns from it). Nothing else changes
+in TF: the events are set, cleared and waited on as before. When the run returns (or
+raises) the turn is the caller's again.
+
+Only ``MirroredStrategy`` on one worker is followed (``supported``): its cross-device
+reductions are ordinary eager ops issued on the loop's thread during the merge. Replicas of a
+``MultiWorkerMirroredStrategy`` meet other processes' collective ops, which one process's
+graph cannot order; their tapes stay plain (``terra.distribute``).
+"""
+
+import functools
+import threading
+
+from tensorflow.python.distribute import mirrored_run, mirrored_strategy
+
+from terra import collectives
+
+_ident = threading.get_ident
+
+_installed = False
+_runs = threading.local()  # the loop thread's strategy.run calls under way (depth)
+
+
+def supported(strategy) -> bool:
+    """Whether Terra follows ``strategy``'s replica threads: a ``MirroredStrategy`` over the
+    devices of this process (its extended class exactly, not a multi-worker subclass)."""
+    return type(strategy.extended) is mirrored_strategy.MirroredExtended
+
+
+class _Turn(threading.Event):
+    """A replica thread's ``should_run`` or ``has_paused``: the thread its ``wait`` returns
+    in holds the turn from there on (if its run is the current runtime's loop's: the runtime
+    may have been built, or reset, since the run began)."""
+
+    def wait(self, timeout=None):
+        got = super().wait(timeout)
+        rt = _current()
+        if rt is not None and rt.loop_thread == loop_thread_of_current():
+            rt.take_turn(_ident())
+        return got
+
+
+def _current():
+    from terra import runtime  # terra.runtime imports this module
+    return runtime.current()
+
+
+def in_run() -> bool:
+    """Whether a followed ``strategy.run`` is under way (called on the loop's thread or in
+    its replicas)."""
+    return getattr(_runs, "depth", 0) > 0 or _followed(threading.current_thread())
+
+
+def _followed(thread) -> bool:
+    return getattr(thread, "terra_turns", None) is not None
+
+
+def replica_of(thread):
+    """The run a followed replica thread belongs to (its ``Coordinator``, one per call), or
+    None for any other thread."""
+    return thread.coord if _followed(thread) else None
+
+
+def install():
+    """Wrap the replica thread's constructor and the run, once per process: they act only
+    while a runtime's loop thread calls ``strategy.run`` with a supported strategy."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    init = mirrored_run._MirroredReplicaThread.__init__
+    call = mirrored_run._call_for_each_replica
+
+    @functools.wraps(init)
+    def __init__(self, dist, *args, **kwargs):
+        init(self, dist, *args, **kwargs)
+        self.terra_turns = None
+        rt = _current()
+        parent = _ident()
+        if getattr(_runs, "depth", 0) and supported(dist) and (
+                rt is None or parent == rt.loop_thread):
+            # (with no runtime yet, it may be built in this very thread, at its first tape)
+            self.terra_turns = (parent,)
+            self.should_run, self.has_paused = _Turn(), _Turn()
+
+    @functools.wraps(call)
+    def _call_for_each_replica(distribution, fn, args, kwargs):
+        rt = _current()
+        me = _ident()
+        if not supported(distribution) or rt is not None and rt.loop_thread != me:
+            return call(distribution, fn, args, kwargs)
+        _runs.depth = getattr(_runs, "depth", 0) + 1
+        if rt is not None:
+            rt.take_turn(me)  # regions are off while the run lasts
+        try:
+            return call(distribution, fn, args, kwargs)
+        finally:
+            _runs.depth -= 1
+            rt = _current()
+            if rt is not None and rt.loop_thread == me:
+                rt.take_turn(me)  # the run is over (or raised): the loop's thread again
+
+    mirrored_run._MirroredReplicaThread.__init__ = __init__
+    mirrored_run._call_for_each_replica = _call_for_each_replica
+    collectives.install(in_run)
+
+
+def loop_thread_of_current():
+    """The thread that started the run of the followed replica thread running this, or this
+    thread itself."""
+    turns = getattr(threading.current_thread(), "terra_turns", None)
+    return _ident() if turns is None else turns[0]
