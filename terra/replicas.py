@@ -98,6 +98,7 @@ def install():
             # (with no runtime yet, it may be built in this very thread, at its first tape)
             self.terra_turns = (parent,)
             self.should_run, self.has_paused = _Turn(), _Turn()
+            _runs.threads.append(self)
 
     @functools.wraps(call)
     def _call_for_each_replica(distribution, fn, args, kwargs):
@@ -106,12 +107,15 @@ def install():
         if not supported(distribution) or rt is not None and rt.loop_thread != me:
             return call(distribution, fn, args, kwargs)
         _runs.depth = getattr(_runs, "depth", 0) + 1
+        outer, _runs.threads = getattr(_runs, "threads", None), []
         if rt is not None:
             rt.take_turn(me)  # regions are off while the run lasts
         try:
             return call(distribution, fn, args, kwargs)
         finally:
             _runs.depth -= 1
+            _let_go(_runs.threads)
+            _runs.threads = outer
             rt = _current()
             if rt is not None and rt.loop_thread == me:
                 rt.take_turn(me)  # the run is over (or raised): the loop's thread again
@@ -119,6 +123,22 @@ def install():
     mirrored_run._MirroredReplicaThread.__init__ = __init__
     mirrored_run._call_for_each_replica = _call_for_each_replica
     collectives.install(in_run)
+
+
+# what a finished replica thread holds of its step: its arguments, result and merge values
+_HELD = ("main_fn", "main_args", "main_kwargs", "main_result", "merge_fn", "merge_args",
+         "merge_kwargs", "merge_result")
+
+
+def _let_go(threads):
+    """Drop what the run's finished replica threads hold of the step's values. A thread and
+    its ``Coordinator`` refer to each other, so they live until the garbage collector finds
+    them, and with them the step's tensors: whether a stand-in outlived its iteration
+    (``terra.escapes``) would depend on when the collector last ran."""
+    for t in threads:
+        if not t.is_alive():
+            for name in _HELD:
+                setattr(t, name, None)
 
 
 def loop_thread_of_current():

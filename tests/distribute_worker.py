@@ -26,11 +26,13 @@ def two_cpus():
             cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 
-def distributed_loop(strategy, tape_cls, steps):
+def distributed_loop(strategy, tape_cls, steps, python_in_step=False):
     """A custom training loop as TensorFlow's guide writes it: model and optimizer in the
     strategy's scope, a per-replica step with the loss averaged over the global batch, the
     step run by ``strategy.run`` and the replicas' losses summed.
-    Returns every step's loss, every variable and, per variable, every replica's copy."""
+    Returns every step's loss, every variable and, per variable, every replica's copy.
+    ``python_in_step``: each replica's step also reads its loss in Python, prints it and
+    branches on the largest per-example loss (returned too: ``read``)."""
     tf.keras.utils.set_random_seed(0)
     with strategy.scope():
         model = mlp(20, (16,), 5)
@@ -42,24 +44,37 @@ def distributed_loop(strategy, tape_cls, steps):
         with tape_cls() as tape:
             per_example = loss_fn(y, model(x, training=True))
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            if python_in_step and per_example.numpy().max() > 50.0:  # a branch on a value
+                loss = loss * 0.5
+        if python_in_step:
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            read.append(float(loss))
+            print(f"replica {replica}: loss {read[-1]:.4f}")
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
     dataset = tf.data.Dataset.from_tensor_slices(data).batch(GLOBAL_BATCH)
-    losses = []
+    losses, read = [], []
     for x, y in strategy.experimental_distribute_dataset(dataset):
         per_replica = strategy.run(step_fn, args=(x, y))
         losses.append(float(strategy.reduce("SUM", per_replica, axis=None)))
         record_stats(f"step{len(losses)}")
     copies = [list(strategy.experimental_local_results(v)) for v in model.variables]
-    return {"losses": losses, **state(model, optimizer), "replicas": copies}
+    result = {"losses": losses, **state(model, optimizer), "replicas": copies}
+    return dict(result, read=read) if python_in_step else result
 
 
 def mirrored(tape_cls, steps):
     two_cpus()
     return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
                             steps)
+
+
+def mirrored_python_in_step(tape_cls, steps):
+    two_cpus()
+    return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
+                            steps, python_in_step=True)
 
 
 def one_device(tape_cls, steps):
