@@ -179,13 +179,14 @@ class Emitter:
             elif self.first_write is None:
                 self.first_write = n_ops
         summed = self.exact and reorders(node.op_type, inputs)
-        if opdefs.info(node.op_type).op_def is None:  # a tf.function's forward or backward
-            op = call_function(graph, node, inputs)
-        elif summed:
-            op = add_in_order(inputs).op  # what stands for the sum, recorded as an AddN
-        else:
-            op = graph._create_op_internal(
-                node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
+        with graph.device(node.device):  # where eager ran it ("": where TF places it)
+            if opdefs.info(node.op_type).op_def is None:  # a tf.function's forward or backward
+                op = call_function(graph, node, inputs)
+            elif summed:
+                op = add_in_order(inputs).op  # what stands for the sum, recorded as an AddN
+            else:
+                op = graph._create_op_internal(
+                    node.op_type, inputs, attrs=opdefs.attr_protos(node.op_type, node.attrs))
         if self.exact:
             keep_eager_rounding([op])
         if self.tapes.recording:

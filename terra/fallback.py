@@ -287,6 +287,10 @@ def _execute(node, args, stopped, tapes, recorder, ctx):
 def _run(node, args, attrs, recorder, ctx):
     """The op itself; an error the graph met here is raised as eager raises it."""
     try:
+        if node.device and node.device != ctx.device_name:  # a replica's op, from another
+            with ctx.device(node.device):  # replica's thread: on its device, as it ran
+                return execute.execute_with_callbacks(
+                    node.op_type, len(node.out_specs), args, attrs, ctx)
         return execute.execute_with_callbacks(
             node.op_type, len(node.out_specs), args, attrs, ctx)
     except errors.OpError as e:  # the graph failed here: eager fails the same way

@@ -308,6 +308,7 @@ class TraceNode:
         # OP: it ran with the tapes paused (True), not (False), or either in different traces
         # (None): whether a graph tape records it (``terra.graph_tapes``)
         self.untaped = rec.untaped if rec else False
+        self.device = rec.device if rec else ""  # OP: the device scope of its first trace
         self.fetched: set[int] = set()
         self.escaped: set[int] = set()
         self.seen = 0  # traces that went through this node

@@ -32,6 +32,7 @@ from time import thread_time as _clock  # the callback runs on the loop's thread
 
 import numpy as np
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager.context import context as _context
 from tensorflow.python.framework import dtypes
 
 from terra import opdefs
@@ -57,7 +58,7 @@ class OpRecord:
 
     __slots__ = ("kind", "op_type", "attrs", "inputs", "out_specs", "location", "site",
                  "in_graph", "body_len", "results", "fetched", "escaped", "after_custom",
-                 "watched", "untaped")
+                 "watched", "untaped", "device")
 
     def __init__(self, kind, op_type, attrs, inputs, out_specs, location, in_graph=False,
                  site=None):
@@ -81,6 +82,9 @@ class OpRecord:
         self.untaped = False
         self.fetched = set()
         self.escaped = set()
+        # op: the device scope it ran under ("" for none): a MirroredStrategy's replica runs
+        # its step under its device's, and the graph places the op there too
+        self.device = ""
 
     def __repr__(self):
         return f"<{self.kind} {self.op_type}>"
@@ -182,6 +186,7 @@ class Recorder:
         rec = OpRecord(NodeKind.OP, op_type, opdefs.normalize_attrs(op_type, attrs), refs,
                        tuple([spec_of(t) for t in outputs]), location, in_graph, site)
         rec.untaped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+        rec.device = _context().device_name or ""
         self.records.append(rec)
         tensors, original_numpy = self.tensors, self.original_numpy
         for k, t in enumerate(outputs):

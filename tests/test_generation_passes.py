@@ -123,3 +123,14 @@ def test_a_built_plan_refuses_writes_under_terra_check(monkeypatch):
     monkeypatch.setattr(config, "check", False)
     _, graph = graph_of(trace(5, "Abs"), trace(5, "Abs"))
     next(iter(graph.steps.values())).check_shapes = True  # not frozen: no cost without it
+
+
+def test_emission_places_each_op_on_the_device_it_ran_on():
+    """A MirroredStrategy's replica runs its step under its device's scope: the graph keeps
+    the device each op was recorded on, and leaves the others to TF's placer."""
+    recs = trace(5, "Abs")
+    recs[1].device = "/job:localhost/replica:0/task:0/device:CPU:1"
+    _, graph = graph_of(recs, recs)
+    devices = {op.type: op.device for op in graph.function.graph.get_operations()}
+    assert devices["Abs"] == "/job:localhost/replica:0/task:0/device:CPU:1", devices
+    assert devices["Neg"] == devices["Exp"] == "", devices
