@@ -1,24 +1,24 @@
 """Training loops under a ``tf.distribute`` strategy: which ones Terra co-executes, and why the
 others run eagerly.
 
-Terra intercepts the ops of one thread, the training loop's (``terra.interception``), and its
-skeleton stands for that thread's Python. A strategy whose ``run`` calls the step on the
+Terra serves one thread of control at a time. A strategy whose ``run`` calls the step on the
 calling thread keeps that picture: the default strategy, and ``OneDeviceStrategy``, which
 calls it under a device scope and a replica context and runs its reductions and variable
 updates (``merge_call``, ``extended.update``) inline. Terra co-executes those loops like any
 other.
 
-Every other strategy (``MirroredStrategy``, even over one device,
-``MultiWorkerMirroredStrategy``, ``CentralStorageStrategy``, ``ParameterServerStrategy``) runs
-an eager ``strategy.run`` through ``mirrored_run``: one thread per local replica, started anew
-for every call, taking turns. Each replica's step runs until a ``merge_call`` (the
-optimizer's all-reduce), where it pauses and hands its values to the loop's thread, which
-reduces the replicas' gradients and updates each replica's copy of the variables before the
-replica threads go on. One iteration is then the ops of several threads, interleaved by the
-strategy, with values passed between them. Terra's doors, its recorder and its skeleton serve
-one thread, so a tape there acts as a plain ``tf.GradientTape`` and the step runs eagerly, with
+``MirroredStrategy`` on one worker runs an eager ``strategy.run`` through ``mirrored_run``: one
+thread per local replica, started anew for every call, taking turns with the loop's thread
+(each runs until its ``merge_call`` or the step's end, the merge runs on the loop's thread,
+then the replicas resume in order). Terra follows the turns (``terra.replicas``), so a tape in
+such a replica thread is Terra's like the loop's own.
+
+Every other strategy that runs replicas in threads (``MultiWorkerMirroredStrategy``, whose
+collective ops meet other processes', ``CentralStorageStrategy``, ``ParameterServerStrategy``)
+keeps its tapes plain: they act as plain ``tf.GradientTape``s and the step runs eagerly, with
 eager's numbers; ``explain()`` and ``terra.stats().plain_tapes`` say so. The same holds for a
-tape entered under such a strategy outside ``strategy.run`` (in its scope).
+tape entered under a mirrored strategy outside ``strategy.run`` (in its scope), whose
+iteration would be the loop's thread's alone while replicas run in others.
 """
 
 import threading
@@ -41,12 +41,15 @@ def why_plain():
     if replicas.replica_of(thread) is not None:
         return None  # a MirroredStrategy's replica: its turns are the loop's (terra.replicas)
     if isinstance(thread, mirrored_run._MirroredReplicaThread):
-        return (f"a tape in a replica thread of {name}.run: an eager strategy.run runs each "
-                "replica's step in a thread of its own, new for every call, and reduces the "
-                "replicas' values on the loop's thread between them; Terra co-executes the "
-                "ops of one thread")
+        if replicas.supported(strategy):
+            return (f"a tape in a replica thread of {name}.run called from another thread "
+                    "than the training loop's")
+        return (f"a tape in a replica thread of {name}.run: Terra follows the replica "
+                "threads of tf.distribute.MirroredStrategy on one worker only (a multi-worker "
+                "strategy's collective ops meet other processes', which one process's graph "
+                "cannot order)")
     return (f"a tape under {name} outside strategy.run: its steps run in replica threads, "
-            "which Terra does not co-execute")
+            "which Terra follows only from within strategy.run")
 
 
 def _public_name(cls):

@@ -56,9 +56,11 @@ class _Turn(threading.Event):
         return got
 
 
-def _current():
-    from terra import runtime  # terra.runtime imports this module
-    return runtime.current()
+def _no_runtime():
+    return None
+
+
+_current = _no_runtime  # the runtime, if one was built since the last reset (install's)
 
 
 def in_run() -> bool:
@@ -77,10 +79,12 @@ def replica_of(thread):
     return thread.coord if _followed(thread) else None
 
 
-def install():
+def install(current):
     """Wrap the replica thread's constructor and the run, once per process: they act only
-    while a runtime's loop thread calls ``strategy.run`` with a supported strategy."""
-    global _installed
+    while a runtime's loop thread calls ``strategy.run`` with a supported strategy.
+    ``current()``: the runtime, or None (``terra.runtime.current``)."""
+    global _installed, _current
+    _current = current
     if _installed:
         return
     _installed = True

@@ -137,7 +137,6 @@ class Runtime(Exits):
         function_regions.install()
         hooks.install()
         interception.install()
-        replicas.install()
         interception.set_handler(self.tracing_door)
 
     def take_turn(self, ident):

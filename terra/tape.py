@@ -10,8 +10,9 @@ Terra keeps its own reference to TensorFlow's class (``RealGradientTape``), so p
 behind ``tf.GradientTape`` (:func:`enable`) never makes Terra construct itself.
 
 A tape steps aside and acts as a plain ``tf.GradientTape`` where co-execution cannot serve it:
-inside a ``tf.function`` being traced, in a thread other than the one running the training
-loop, and under a ``tf.distribute`` strategy whose replicas run in threads of their own
+inside a ``tf.function`` being traced, in a thread other than the one Terra serves (the
+training loop's, or a ``MirroredStrategy`` replica's in its turn: ``terra.replicas``), and
+under a ``tf.distribute`` strategy whose replica threads Terra does not follow
 (``terra.distribute``).
 """
 

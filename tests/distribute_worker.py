@@ -26,13 +26,14 @@ def two_cpus():
             cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 
-def distributed_loop(strategy, tape_cls, steps, python_in_step=False):
+def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_from=None):
     """A custom training loop as TensorFlow's guide writes it: model and optimizer in the
     strategy's scope, a per-replica step with the loss averaged over the global batch, the
     step run by ``strategy.run`` and the replicas' losses summed.
     Returns every step's loss, every variable and, per variable, every replica's copy.
     ``python_in_step``: each replica's step also reads its loss in Python, prints it and
-    branches on the largest per-example loss (returned too: ``read``)."""
+    branches on the largest per-example loss (returned too: ``read``). ``penalty_from``: from
+    that step on, the second replica's loss gains a weight penalty (a new path in its turn)."""
     tf.keras.utils.set_random_seed(0)
     with strategy.scope():
         model = mlp(20, (16,), 5)
@@ -46,6 +47,9 @@ def distributed_loop(strategy, tape_cls, steps, python_in_step=False):
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
             if python_in_step and per_example.numpy().max() > 50.0:  # a branch on a value
                 loss = loss * 0.5
+            if penalty_from is not None and len(losses) >= penalty_from and \
+                    tf.distribute.get_replica_context().replica_id_in_sync_group == 1:
+                loss += 1e-3 * tf.add_n([tf.nn.l2_loss(w) for w in model.trainable_variables])
         if python_in_step:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             read.append(float(loss))
@@ -75,6 +79,12 @@ def mirrored_python_in_step(tape_cls, steps):
     two_cpus()
     return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
                             steps, python_in_step=True)
+
+
+def mirrored_new_path(tape_cls, steps):
+    two_cpus()
+    return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
+                            steps, penalty_from=steps // 2)
 
 
 def one_device(tape_cls, steps):

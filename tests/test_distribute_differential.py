@@ -21,7 +21,13 @@ from pathlib import Path
 
 import tensorflow as tf
 from differential import _compare_value, _decode, assert_same_as_eager
-from distribute_worker import distributed_loop, mirrored, mirrored_python_in_step, one_device
+from distribute_worker import (
+    distributed_loop,
+    mirrored,
+    mirrored_new_path,
+    mirrored_python_in_step,
+    one_device,
+)
 
 STEPS = 16
 TESTS = Path(__file__).resolve().parent
@@ -68,6 +74,16 @@ def test_mirrored_strategy_with_python_in_the_step():
                                    expect_fallbacks=(1, 3), max_traces=4)
     assert len(outcome.terra["read"]) == 2 * STEPS, outcome.report()
     assert outcome.stats.plain_tapes == 0, outcome.report()
+
+
+def test_mirrored_strategy_falls_back_in_a_replicas_turn():
+    """From the middle of the run on, the second replica's loss gains a penalty: the
+    iteration falls back in that replica's turn, its replay runs the first replica's ops (on
+    their device) from the second's thread, and the new path co-executes once traced."""
+    outcome = assert_same_as_eager(mirrored_new_path, 24, env=BUILD_AT_ONCE, min_coexecuted=8,
+                                   exact=EVERY_VALUE, expect_fallbacks=(2, 5), max_traces=8)
+    assert outcome.stats.plain_tapes == 0, outcome.report()
+    assert "fallback [new op] at " in outcome.explain, outcome.report()
 
 
 def _free_port():
