@@ -73,7 +73,7 @@ def _wrap(original, name):
     def wrapper(*args, **kwargs):
         rt = runtime.current()
         if rt is None or rt.phase not in _PHASES or rt.layers.depth or rt.regions.depth or \
-                not context.executing_eagerly() or rt.region_owner != threading.get_ident():
+                not context.executing_eagerly() or rt.layer_owner != threading.get_ident():
             return original(*args, **kwargs)
         return rt.layers.function(rt, original, name, args, kwargs)
     return wrapper

@@ -74,7 +74,7 @@ def _wrap(original, family):
         rt = runtime.current()
         if rt is None or rt.phase not in ("tracing", "coexecution") or rt.layers.depth or \
                 rt.regions.depth or not context.executing_eagerly() or \
-                rt.region_owner != threading.get_ident():
+                rt.layer_owner != threading.get_ident():
             return original(self, *args, **kwargs)
         return rt.layers.call(rt, original, self, args, kwargs, family)
 

@@ -103,7 +103,7 @@ def _wrap(original, region):
     def update(self, *args, **kwargs):
         rt = runtime.current()
         if rt is None or rt.phase not in ("tracing", "coexecution") or rt.regions.depth or \
-                not context.executing_eagerly() or rt.region_owner != threading.get_ident():
+                not context.executing_eagerly() or rt.update_owner != threading.get_ident():
             return original(self, *args, **kwargs)
         rt.regions.depth += 1
         try:

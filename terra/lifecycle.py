@@ -106,6 +106,8 @@ class GraphLifecycle:
         if rec.broken is not None:
             self._note("Terra error while tracing (trace dropped)", rec.broken)
             return None
+        if rec.unservable is not None:
+            raise GiveUp(rec.unservable)
         if rec.creates_state or rec.aborted or not rec.records:
             return None
         self.ledger.profile(*rec.profile())

@@ -29,7 +29,7 @@ import threading
 
 from tensorflow.python.distribute import mirrored_run, mirrored_strategy
 
-from terra import collectives
+from terra import collectives, interception
 
 _ident = threading.get_ident
 
@@ -52,7 +52,7 @@ class _Turn(threading.Event):
         got = super().wait(timeout)
         rt = _current()
         if rt is not None and rt.loop_thread == loop_thread_of_current():
-            rt.take_turn(_ident())
+            take_turn(rt, _ident())
         return got
 
 
@@ -113,7 +113,7 @@ def install(current):
         _runs.depth = getattr(_runs, "depth", 0) + 1
         outer, _runs.threads = getattr(_runs, "threads", None), []
         if rt is not None:
-            rt.take_turn(me)  # regions are off while the run lasts
+            take_turn(rt, me)  # optimizer regions are off while the run lasts
         try:
             return call(distribution, fn, args, kwargs)
         finally:
@@ -122,7 +122,7 @@ def install(current):
             _runs.threads = outer
             rt = _current()
             if rt is not None and rt.loop_thread == me:
-                rt.take_turn(me)  # the run is over (or raised): the loop's thread again
+                take_turn(rt, me)  # the run is over (or raised): the loop's thread again
 
     mirrored_run._MirroredReplicaThread.__init__ = __init__
     mirrored_run._call_for_each_replica = _call_for_each_replica
@@ -132,6 +132,41 @@ def install(current):
 # what a finished replica thread holds of its step: its arguments, result and merge values
 _HELD = ("main_fn", "main_args", "main_kwargs", "main_result", "merge_fn", "merge_args",
          "merge_kwargs", "merge_result")
+
+
+def take_turn(rt, ident):
+    """The thread ``ident`` runs now, while the others of its strategy.run wait: the
+    runtime ``rt``'s doors and tape marks serve it from here on (called in that thread)."""
+    rt.owner = ident
+    running = in_run()
+    rt.update_owner = None if running else ident
+    _regions_across(rt)
+    rt.layer_owner = ident if not running or rt.layers_in_runs else None
+    interception.take_turn(ident)
+    door = rt.coexec_door.fast_entry
+    if hasattr(door, "owner"):  # the native door
+        door.owner = ident
+
+
+def _regions_across(rt):
+    """The turn passed inside a call the trace records as one region (a merge_call in a
+    layer's call or in a gradient's backward pass): the other threads' ops would be
+    recorded inside it. A layer region: its trace is dropped, and layers run op by op in
+    runs from here on. A gradient region, which a replica's step cannot run otherwise: the
+    loop runs eagerly (at the trace's merge, ``GraphLifecycle.merge``). In co-execution a
+    skipped region runs no Python, and a region that spanned a turn was never merged."""
+    rec = rt.recorder
+    if rt.layers.depth and rt.layers_in_runs:
+        rt.layers_in_runs = False
+        rt.events.note("layer region off", "a layer call in a replica's step passed the turn "
+                       "to another thread (a merge_call): layer regions run op by op in a "
+                       "MirroredStrategy.run from here on")
+        if rec is not None:
+            rec.aborted = True
+    if rec is not None and rec.region_site is not None and rec.unservable is None:
+        rec.unservable = ("a gradient call in a replica's step passed the turn to another "
+                          "thread (a merge_call in its backward pass, at "
+                          f"{rec.region_location}): its region would hold their ops")
 
 
 def _let_go(threads):

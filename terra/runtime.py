@@ -116,12 +116,16 @@ class Runtime(Exits):
         self.ctx = context.context()
         # the training loop's thread, and the thread whose ops and tapes Terra serves now:
         # the loop's, or one of the replica threads of a MirroredStrategy.run it called,
-        # which take turns with it (``terra.replicas``); regions are recorded and skipped
-        # only on the loop's thread outside such a run (a region would span a replica's
+        # which take turns with it (``terra.replicas``); optimizer regions are recorded and
+        # skipped only on the loop's thread outside such a run (an update spans a replica's
         # merge_call, and the turns of others)
         self.loop_thread = replicas.loop_thread_of_current()
         self.owner = threading.get_ident()
-        self.region_owner = None if replicas.in_run() else self.owner
+        self.update_owner = None if replicas.in_run() else self.owner
+        # layer and function regions, which lie within one replica's turn: also in a run's
+        # threads, until one spanned a turn (a layer that synchronizes the replicas)
+        self.layer_owner = self.owner
+        self.layers_in_runs = True
         self.run = None  # the strategy.run (its Coordinator) this iteration's tapes are in
         self._graph_runner = None
         self._watchdog = None
@@ -138,16 +142,6 @@ class Runtime(Exits):
         hooks.install()
         interception.install()
         interception.set_handler(self.tracing_door)
-
-    def take_turn(self, ident):
-        """The thread ``ident`` runs now, while the others of its strategy.run wait
-        (``terra.replicas``): Terra's doors and tape marks serve it from here on."""
-        self.owner = ident
-        self.region_owner = None if replicas.in_run() else ident
-        interception.take_turn(ident)
-        door = self.coexec_door.fast_entry
-        if hasattr(door, "owner"):
-            door.owner = ident
 
     @property
     def phase(self):

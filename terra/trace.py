@@ -124,6 +124,9 @@ class Recorder:
         self.sites = sites
         self.override = None  # replay: (location, site) of the original op
         self.region_site = None  # inside a gradient region: the site of its head
+        # why the trace cannot be co-executed though recorded whole (terra.replicas: a
+        # gradient call in a replica's step let another thread run), or None
+        self.unservable = None
         self.region_location = None  # ... and its user's line
         self.custom_gradients = 0  # tf.custom_gradient functions run (interception._record)
         self.broken = None  # Terra's own traceback if recording failed: the trace is dropped

@@ -26,17 +26,23 @@ def two_cpus():
             cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 
-def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_from=None):
+def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_from=None,
+                     synchronized_bn=False):
     """A custom training loop as TensorFlow's guide writes it: model and optimizer in the
     strategy's scope, a per-replica step with the loss averaged over the global batch, the
     step run by ``strategy.run`` and the replicas' losses summed.
     Returns every step's loss, every variable and, per variable, every replica's copy.
     ``python_in_step``: each replica's step also reads its loss in Python, prints it and
     branches on the largest per-example loss (returned too: ``read``). ``penalty_from``: from
-    that step on, the second replica's loss gains a weight penalty (a new path in its turn)."""
+    that step on, the second replica's loss gains a weight penalty (a new path in its turn).
+    ``synchronized_bn``: a batch normalization synchronized across the replicas after the
+    hidden layer, whose forward and backward passes reduce over the replicas."""
     tf.keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = mlp(20, (16,), 5)
+        model = tf.keras.Sequential([
+            tf.keras.Input((20,)), tf.keras.layers.Dense(16),
+            tf.keras.layers.BatchNormalization(synchronized=True), tf.keras.layers.ReLU(),
+            tf.keras.layers.Dense(5)]) if synchronized_bn else mlp(20, (16,), 5)
         optimizer = tf.keras.optimizers.Adam(1e-2)
     data = classification_data(steps * GLOBAL_BATCH, 20, 5)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
@@ -85,6 +91,12 @@ def mirrored_new_path(tape_cls, steps):
     two_cpus()
     return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
                             steps, penalty_from=steps // 2)
+
+
+def mirrored_synchronized_bn(tape_cls, steps):
+    two_cpus()
+    return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
+                            steps, synchronized_bn=True)
 
 
 def one_device(tape_cls, steps):
