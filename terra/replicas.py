@@ -19,9 +19,11 @@ in TF: the events are set, cleared and waited on as before. When the run returns
 raises) the turn is the caller's again.
 
 Only ``MirroredStrategy`` on one worker is followed (``supported``): its cross-device
-reductions are ordinary eager ops issued on the loop's thread during the merge. Replicas of a
-``MultiWorkerMirroredStrategy`` meet other processes' collective ops, which one process's
-graph cannot order; their tapes stay plain (``terra.distribute``).
+reductions are issued on the loop's thread during the merge (its collective all-reduce as one
+function call: ``terra.collectives``). Replicas of a ``MultiWorkerMirroredStrategy`` meet
+other processes' collective ops, which one process's graph cannot order; their tapes stay
+plain (``terra.distribute``). A region (a layer's call, a gradient call) must lie within one
+turn: :func:`_regions_across` says what happens to one that does not.
 """
 
 import functools
