@@ -8,12 +8,15 @@ with ``TF_CONFIG`` set, once per worker. A worker runs its program eagerly, then
 and prints one JSON line: both runs' results, ``terra.stats()`` and ``terra.explain()``.
 """
 
+import contextlib
 import json
 import sys
 
 import tensorflow as tf
 from differential import _encode, record_stats, run_both
 from tiny_models import classification_data, mlp, state
+
+import terra
 
 GLOBAL_BATCH = 16
 
@@ -97,6 +100,24 @@ def mirrored_synchronized_bn(tape_cls, steps):
     two_cpus()
     return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
                             steps, synchronized_bn=True)
+
+
+def mirrored_fit(tape_cls, steps):
+    """Keras' ``fit(run_eagerly=True)`` under the strategy, for two epochs of ``steps``
+    batches (Terra through ``terra.enabled()``): Keras' own ``strategy.run`` of its step."""
+    two_cpus()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    tf.keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = mlp(20, (16,), 5)
+        model.compile(optimizer=tf.keras.optimizers.Adam(1e-2), run_eagerly=True,
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = classification_data(steps * GLOBAL_BATCH, 20, 5)
+    with terra.enabled() if tape_cls is not tf.GradientTape else contextlib.nullcontext():
+        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False)
+    copies = [list(strategy.experimental_local_results(v)) for v in model.variables]
+    return {"losses": history.history["loss"], "model": list(model.variables),
+            "replicas": copies}
 
 
 def one_device(tape_cls, steps):

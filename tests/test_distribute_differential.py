@@ -24,6 +24,7 @@ from differential import _compare_value, _decode, assert_same_as_eager
 from distribute_worker import (
     distributed_loop,
     mirrored,
+    mirrored_fit,
     mirrored_new_path,
     mirrored_python_in_step,
     mirrored_synchronized_bn,
@@ -74,6 +75,15 @@ def test_mirrored_strategy_with_python_in_the_step():
                                    min_coexecuted=STEPS // 2, exact=(*EVERY_VALUE, "read"),
                                    expect_fallbacks=(1, 3), max_traces=4)
     assert len(outcome.terra["read"]) == 2 * STEPS, outcome.report()
+    assert outcome.stats.plain_tapes == 0, outcome.report()
+
+
+def test_mirrored_strategy_keras_fit_run_eagerly_coexecutes():
+    """Keras' eager ``fit`` calls ``strategy.run`` itself: under ``terra.enable()`` its
+    replicas' tapes are Terra's, and the epochs co-execute with eager's numbers."""
+    outcome = assert_same_as_eager(mirrored_fit, STEPS, env=BUILD_AT_ONCE, min_coexecuted=STEPS,
+                                   exact=("losses", "model", "replicas"),
+                                   expect_fallbacks=(0, 3), max_traces=6)
     assert outcome.stats.plain_tapes == 0, outcome.report()
 
 
