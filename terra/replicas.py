@@ -156,7 +156,10 @@ def _regions_across(rt):
     recorded inside it. A layer region: its trace is dropped, and layers run op by op in
     runs from here on. A gradient region, which a replica's step cannot run otherwise: the
     loop runs eagerly (at the trace's merge, ``GraphLifecycle.merge``). In co-execution a
-    skipped region runs no Python, and a region that spanned a turn was never merged."""
+    skipped region runs no Python, and a region that spanned a turn was never merged. A tape
+    open across a turn (``apply_gradients`` inside its ``with``) keeps the loop eager too: a
+    fallback's replay re-enters the real tapes on the thread that replays, and the replica
+    whose tape it is would record on without it."""
     rec = rt.recorder
     if rt.layers.depth and rt.layers_in_runs:
         rt.layers_in_runs = False
@@ -165,10 +168,16 @@ def _regions_across(rt):
                        "MirroredStrategy.run from here on")
         if rec is not None:
             rec.aborted = True
-    if rec is not None and rec.region_site is not None and rec.unservable is None:
+    if rec is None or rec.unservable is not None:
+        return
+    if rec.region_site is not None:
         rec.unservable = ("a gradient call in a replica's step passed the turn to another "
                           "thread (a merge_call in its backward pass, at "
                           f"{rec.region_location}): its region would hold their ops")
+    elif rt.open_tapes:
+        rec.unservable = ("a tape was open while a replica's step passed the turn to another "
+                          "thread (a merge_call inside the tape's with block): a replay could "
+                          "not enter that tape in its own thread")
 
 
 def _let_go(threads):

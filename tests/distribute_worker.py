@@ -30,7 +30,7 @@ def two_cpus():
 
 
 def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_from=None,
-                     synchronized_bn=False):
+                     synchronized_bn=False, apply_in_tape=False):
     """A custom training loop as TensorFlow's guide writes it: model and optimizer in the
     strategy's scope, a per-replica step with the loss averaged over the global batch, the
     step run by ``strategy.run`` and the replicas' losses summed.
@@ -39,7 +39,9 @@ def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_fr
     branches on the largest per-example loss (returned too: ``read``). ``penalty_from``: from
     that step on, the second replica's loss gains a weight penalty (a new path in its turn).
     ``synchronized_bn``: a batch normalization synchronized across the replicas after the
-    hidden layer, whose forward and backward passes reduce over the replicas."""
+    hidden layer, whose forward and backward passes reduce over the replicas.
+    ``apply_in_tape``: the gradient and the optimizer's update inside the (persistent) tape's
+    ``with`` block, so the tape is open across the update's ``merge_call``."""
     tf.keras.utils.set_random_seed(0)
     with strategy.scope():
         model = tf.keras.Sequential([
@@ -51,7 +53,7 @@ def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_fr
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
     def step_fn(x, y):
-        with tape_cls() as tape:
+        with tape_cls(persistent=apply_in_tape) as tape:
             per_example = loss_fn(y, model(x, training=True))
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
             if python_in_step and per_example.numpy().max() > 50.0:  # a branch on a value
@@ -59,6 +61,10 @@ def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_fr
             if penalty_from is not None and len(losses) >= penalty_from and \
                     tf.distribute.get_replica_context().replica_id_in_sync_group == 1:
                 loss += 1e-3 * tf.add_n([tf.nn.l2_loss(w) for w in model.trainable_variables])
+            if apply_in_tape:
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+                return loss
         if python_in_step:
             replica = tf.distribute.get_replica_context().replica_id_in_sync_group
             read.append(float(loss))
@@ -100,6 +106,12 @@ def mirrored_synchronized_bn(tape_cls, steps):
     two_cpus()
     return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
                             steps, synchronized_bn=True)
+
+
+def mirrored_apply_in_tape(tape_cls, steps):
+    two_cpus()
+    return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
+                            steps, apply_in_tape=True)
 
 
 def mirrored_fit(tape_cls, steps):

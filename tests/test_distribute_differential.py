@@ -24,6 +24,7 @@ from differential import _compare_value, _decode, assert_same_as_eager
 from distribute_worker import (
     distributed_loop,
     mirrored,
+    mirrored_apply_in_tape,
     mirrored_fit,
     mirrored_new_path,
     mirrored_python_in_step,
@@ -107,6 +108,17 @@ def test_mirrored_strategy_with_a_merge_call_in_the_backward_pass_runs_eagerly()
     assert outcome.stats.phase == "eager", outcome.report()
     assert "running eagerly because a gradient call in a replica's step passed the turn to " \
         "another thread (a merge_call in its backward pass" in outcome.explain, outcome.report()
+
+
+def test_mirrored_strategy_with_a_tape_open_across_the_update_runs_eagerly():
+    """The optimizer's update inside the tape's ``with`` block: the tape is open while the
+    other replicas run, and a replay could not re-enter it in its own thread; Terra runs the
+    loop eagerly and says why."""
+    outcome = assert_same_as_eager(mirrored_apply_in_tape, 8, env=BUILD_AT_ONCE,
+                                   min_coexecuted=0, exact=EVERY_VALUE, max_traces=0)
+    assert outcome.stats.phase == "eager", outcome.report()
+    assert "running eagerly because a tape was open while a replica's step passed the turn" \
+        in outcome.explain, outcome.report()
 
 
 def _free_port():
