@@ -30,7 +30,7 @@ def two_cpus():
 
 
 def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_from=None,
-                     synchronized_bn=False, apply_in_tape=False):
+                     synchronized_bn=False, apply_in_tape=False, reduce_in_backward=False):
     """A custom training loop as TensorFlow's guide writes it: model and optimizer in the
     strategy's scope, a per-replica step with the loss averaged over the global batch, the
     step run by ``strategy.run`` and the replicas' losses summed.
@@ -41,7 +41,15 @@ def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_fr
     ``synchronized_bn``: a batch normalization synchronized across the replicas after the
     hidden layer, whose forward and backward passes reduce over the replicas.
     ``apply_in_tape``: the gradient and the optimizer's update inside the (persistent) tape's
-    ``with`` block, so the tape is open across the update's ``merge_call``."""
+    ``with`` block, so the tape is open across the update's ``merge_call``.
+    ``reduce_in_backward``: the logits' gradient is summed over the replicas in the backward
+    pass (a custom gradient), so the gradient call lets the other replicas run."""
+
+    @tf.custom_gradient
+    def summed_in_backward(logits):
+        def grad(upstream):
+            return tf.distribute.get_replica_context().all_reduce("SUM", upstream)
+        return tf.identity(logits), grad
     tf.keras.utils.set_random_seed(0)
     with strategy.scope():
         model = tf.keras.Sequential([
@@ -54,7 +62,8 @@ def distributed_loop(strategy, tape_cls, steps, python_in_step=False, penalty_fr
 
     def step_fn(x, y):
         with tape_cls(persistent=apply_in_tape) as tape:
-            per_example = loss_fn(y, model(x, training=True))
+            logits = model(x, training=True)
+            per_example = loss_fn(y, summed_in_backward(logits) if reduce_in_backward else logits)
             loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
             if python_in_step and per_example.numpy().max() > 50.0:  # a branch on a value
                 loss = loss * 0.5
@@ -112,6 +121,12 @@ def mirrored_apply_in_tape(tape_cls, steps):
     two_cpus()
     return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
                             steps, apply_in_tape=True)
+
+
+def mirrored_reduce_in_backward(tape_cls, steps):
+    two_cpus()
+    return distributed_loop(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), tape_cls,
+                            steps, reduce_in_backward=True)
 
 
 def mirrored_fit(tape_cls, steps):

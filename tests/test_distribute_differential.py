@@ -28,6 +28,7 @@ from distribute_worker import (
     mirrored_fit,
     mirrored_new_path,
     mirrored_python_in_step,
+    mirrored_reduce_in_backward,
     mirrored_synchronized_bn,
     one_device,
 )
@@ -99,15 +100,24 @@ def test_mirrored_strategy_falls_back_in_a_replicas_turn():
 
 
 def test_mirrored_strategy_with_a_merge_call_in_the_backward_pass_runs_eagerly():
-    """A batch normalization synchronized across the replicas reduces in its forward pass and
-    again in its gradient: the gradient call lets the other replicas run in the middle of
-    it, so its region cannot be one step of one replica's; Terra runs the loop eagerly and
-    says why."""
-    outcome = assert_same_as_eager(mirrored_synchronized_bn, 8, env=BUILD_AT_ONCE,
+    """The logits' gradient is summed over the replicas in the backward pass: the gradient
+    call lets the other replicas run in the middle of it, so its region cannot be one step
+    of one replica's; Terra runs the loop eagerly and says why."""
+    outcome = assert_same_as_eager(mirrored_reduce_in_backward, 8, env=BUILD_AT_ONCE,
                                    min_coexecuted=0, exact=EVERY_VALUE, max_traces=0)
     assert outcome.stats.phase == "eager", outcome.report()
     assert "running eagerly because a gradient call in a replica's step passed the turn to " \
         "another thread (a merge_call in its backward pass" in outcome.explain, outcome.report()
+
+
+def test_mirrored_strategy_with_a_synchronized_batch_normalization_runs_eagerly():
+    """A batch normalization synchronized across the replicas reduces in its forward pass,
+    inside the tape's ``with`` block (and again in its gradient): eager, and says why."""
+    outcome = assert_same_as_eager(mirrored_synchronized_bn, 8, env=BUILD_AT_ONCE,
+                                   min_coexecuted=0, exact=EVERY_VALUE, max_traces=0)
+    assert outcome.stats.phase == "eager", outcome.report()
+    assert "running eagerly because a tape was open while a replica's step passed the turn" \
+        in outcome.explain, outcome.report()
 
 
 def test_mirrored_strategy_with_a_tape_open_across_the_update_runs_eagerly():
