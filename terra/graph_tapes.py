@@ -68,7 +68,7 @@ class GraphTapes:
 
     def enter(self, attrs, again=False):
         """A tape enter mark; ``again``: a tape entered again, whose regions are not taped
-        (``trace.taped``): a placeholder its exit mark closes."""
+        (``trace_queries.taped``): a placeholder its exit mark closes."""
         if again:
             self._open.append([attrs, None, False])
             return

@@ -45,7 +45,7 @@ from terra.fast_path import flatten, pack_fast
 from terra.interception import plain_scalars, value_key
 from terra.nodes import NodeKind, SlotKind
 from terra.standins import Entry
-from terra.trace import signature_part
+from terra.trace_queries import signature_part
 from terra.validation import shape_ok
 
 try:

@@ -291,7 +291,7 @@ class TraceNode:
         self.body_len = rec.body_len if rec else 0
         self.results = None  # GRAD: per source leaf None | ("t", (node, out)) | ("is", ...)
         # GRAD: where every input in the cone of its target came from when it was recorded
-        # (``trace.cone_of``); a region is only valid where the forward pass was the same
+        # (``trace_queries.cone_of``); a region is only valid where the forward pass was the same
         self.cone = None
         # GRAD: per trace through it, (what came before the call: (node, input, signature
         # part) per external input and (node, None, output shapes) per op, {(body node,
@@ -299,7 +299,7 @@ class TraceNode:
         # values in Python; Terra feeds them by the iteration's signature
         self.observations = []
         # GRAD: in every trace, the forward ops its sources reach its target through were
-        # recorded by its tape (``trace.taped``): TF's symbolic gradient of the graph then
+        # recorded by its tape (``trace_queries.taped``): TF's symbolic gradient of the graph then
         # differentiates what the tape did
         self.taped = True
         # GRAD: the handles of the trainable variables its tape watched as they were read, the

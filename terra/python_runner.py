@@ -61,7 +61,7 @@ class Iteration:
         self.job = job
         self.seq0 = 0  # the runner's step count when the iteration began
         self.took = {}  # phi slot -> the producer it read this iteration
-        # trace.signature_part of every value fed, in order; None if no region needs it
+        # trace_queries.signature_part of every value fed, in order; None if no region needs it
         self.signature = None
         self.log = []  # per matched step, for replay: fallback.Logged{Op,PythonOp,Mark,Gradient}
         # custom gradients put on the tapes (fallback.LoggedCustomGradient), replayed after

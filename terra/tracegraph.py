@@ -24,8 +24,8 @@ from terra.nodes import (
     match_key,
     relax,
 )
-from terra.trace import (
-    OpRecord,
+from terra.trace import OpRecord
+from terra.trace_queries import (
     cone_of,
     in_shapes,
     observation_of,

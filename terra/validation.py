@@ -18,7 +18,7 @@ from terra.fallback import OP_RECORDS, LoggedPythonOp, LoggedSkip
 from terra.interception import value_key
 from terra.nodes import SlotKind
 from terra.standins import Entry
-from terra.trace import signature_part
+from terra.trace_queries import signature_part
 
 _EagerTensor = ops.EagerTensor
 _SCALARS = (int, float, bool)

@@ -9,7 +9,8 @@ from test_tracegraph import at, ext, figure_3_2_trace, op_at
 from terra.case_assignment import assign_cases
 from terra.loops import roll
 from terra.nodes import FUNCTION_TOKEN, NodeKind, OpRef, SlotKind, VarRef
-from terra.trace import OpRecord, periodic_runs
+from terra.trace import OpRecord
+from terra.trace_queries import periodic_runs
 from terra.tracegraph import TraceGraph
 
 
