@@ -14,7 +14,12 @@ constants, so a region is guarded like a compiler guards a specialization:
 
 - the optimizer's class is the library's own (``REGIONS``): a user subclass, whose Python
   may do anything, and a wrapper such as Keras' ``LossScaleOptimizer`` keep the per-op path;
-  so does a learning-rate schedule of the user's;
+- a learning-rate schedule of the user's is Python the update runs every step, so it is held
+  to the rule for the user's layers (``terra.user_layers``): its ``__call__`` writes no
+  state (a static check of its bytecode), its Python, watched whenever it runs (traced or
+  per-op), makes no call with a side effect (``print``, NumPy, a tensor's value read), and the
+  globals and methods it read are the same before every later call; otherwise the per-op
+  path, with an ``explain()`` line naming the line and why;
 - the tensors passed in are the same producers as in the traces (the ``call`` mark's inputs
   are validated like an op's: gradients of this iteration, the same variables);
 - the optimizer's Python attributes (numbers, strings, and the identity of every other
@@ -35,6 +40,7 @@ import functools
 import operator
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Iterator
 
@@ -43,7 +49,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
-from terra import runtime
+from terra import runtime, user_layers
 from terra.location import user_location
 from terra.marks import handle_or_self
 
@@ -117,11 +123,13 @@ class _State:
     """What one runtime knows of one optimizer: its attributes after its last call, and why
     its regions are off (None while on)."""
 
-    __slots__ = ("last", "off")
+    __slots__ = ("last", "off", "schedule", "guards")
 
     def __init__(self):
         self.last = None
         self.off = None
+        self.schedule = None  # the user's learning-rate schedule, watched as it runs
+        self.guards = None  # user_layers.Guards of the schedule, after a call ran
 
 
 class LibraryRegions:
@@ -149,6 +157,7 @@ class LibraryRegions:
         if guard is None:
             return original(opt, *args, **kwargs)
         state, before, attrs, tensors = guard
+        monitor = user_layers.Monitor() if state.schedule is not None else None
         if rt.phase == "coexecution" and rt.runner.it is not None:
             stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
             # True: skipped (or run by the replay of a fallback); False: the per-op path
@@ -157,9 +166,13 @@ class LibraryRegions:
                 return region.returns(opt) if region.returns else None
         if rt.phase == "tracing":  # after a fallback, the replay's values for stand-ins
             rt.recorder.mark("call", attrs, [rt.tracing_door.real(t) for t in tensors])
-        result = original(opt, *args, **kwargs)
+        if monitor is None:
+            result = original(opt, *args, **kwargs)
+        else:  # the user's schedule runs inside: its Python is watched
+            with monitor:
+                result = original(opt, *args, **kwargs)
         try:
-            self._after(opt, state, before)
+            self._after(opt, state, before, monitor)
         except Exception as err:  # noqa: BLE001 - as above
             rt.fail_safe(err)
         self._return(rt, attrs)
@@ -175,10 +188,16 @@ class LibraryRegions:
             why = _ineligible(opt, region)
             if why is not None:
                 self._off(opt, state, why)
+            state.schedule = users_schedule(opt, region)
         before = attributes(opt)
         if state.off is None and state.last is not None and before != state.last:
             self._off(opt, state, "its Python attributes changed between two calls: "
                       + changed_names(state.last, before))
+        why = state.guards.changed() if state.guards is not None and state.off is None \
+            else None
+        if why is not None:
+            self._off(opt, state, f"its learning-rate schedule {_name_of(state.schedule)}: "
+                      + why)
         tensors, leaves = flatten_call(args, kwargs)
         if state.off is None and leaves is None:
             self._off(opt, state, "an argument is neither a tensor, a variable nor a number")
@@ -187,13 +206,22 @@ class LibraryRegions:
             return None
         return state, before, (f"{region.cls}.{region.method}", leaves, hash(before)), tensors
 
-    def _after(self, opt, state, before):
+    def _after(self, opt, state, before, monitor=None):
         """The update ran: one that changed the optimizer's attributes (after the first call,
-        which builds its slots) turns its regions off."""
+        which builds its slots) or whose user's schedule had a Python side effect
+        (``monitor``) turns its regions off."""
         after = attributes(opt)
-        if state.last is not None and after != before:
+        if monitor is not None and monitor.why is not None:
+            what, where = monitor.why
+            self._off(opt, state, f"its learning-rate schedule {_name_of(state.schedule)} "
+                      f"has a Python side effect: {what} at {where.file}:{where.line}")
+        elif state.last is not None and after != before:
             self._off(opt, state, "the update changed its Python attributes: "
                       + changed_names(before, after))
+        elif monitor is not None:  # what its next calls are guarded by, this call's reads too
+            read = dict(state.guards.read) if state.guards is not None else {}
+            read.update(monitor.globals)
+            state.guards = user_layers.Guards((state.schedule,), read)
         state.last = after
 
     def _return(self, rt, attrs):
@@ -221,8 +249,29 @@ def _ineligible(opt, region):
     schedule = getattr(opt, "_learning_rate", None)
     if callable(schedule) and not hasattr(schedule, "handle") and \
             not type(schedule).__module__.startswith(region.family):
-        return f"its learning-rate schedule {type(schedule).__qualname__} is not the library's"
+        if users_schedule(opt, region) is None:
+            return f"its learning-rate schedule {_name_of(schedule)} is not the library's"
+        why = user_layers.ineligible(schedule, "__call__")
+        if why is not None:
+            return f"its learning-rate schedule {_name_of(schedule)}: {why}"
     return None
+
+
+def users_schedule(opt, region):
+    """``opt``'s learning-rate schedule if it is an object of the user's own class (defined
+    outside any installed library, ``terra.boundary``), else None. A function of the user's
+    (a lambda) has no class to check and keeps the per-op path."""
+    schedule = getattr(opt, "_learning_rate", None)
+    if not callable(schedule) or hasattr(schedule, "handle") or \
+            isinstance(schedule, (type, types.FunctionType, types.MethodType)) or \
+            type(schedule).__module__.startswith(region.family) or \
+            not user_layers.is_users(type(schedule)):
+        return None
+    return schedule
+
+
+def _name_of(schedule):
+    return type(schedule).__qualname__
 
 
 # What TF's checkpointing keeps on every trackable object (``Trackable``'s ``_self_*``: the

@@ -34,9 +34,7 @@ import operator
 import sys
 import types
 
-from terra import boundary
-from terra.library_regions import _PLAIN
-from terra.library_regions import _plain as _plain_list
+from terra import boundary, library_regions  # (which imports this module: names read late)
 from terra.location import Location
 
 # opcodes whose effect outlives the call: assigning an attribute, an item, a global, a
@@ -81,24 +79,27 @@ def is_users(cls) -> bool:
     return filename is not None and not boundary.is_library(filename)  # (not ``object``)
 
 
-def ineligible(layer):
-    """Why the user's ``layer`` cannot be a region before any call of it ran, or None: its
-    class's ``call`` writes Python state, or an attribute holds what no guard can watch."""
-    call = getattr(type(layer), "call", None)
+def ineligible(obj, method="call"):
+    """Why the user's ``obj`` (a layer; a learning-rate schedule, ``method`` ``__call__``)
+    cannot be a region before any call of it ran, or None: its class's ``method`` writes
+    Python state, or an attribute holds what no guard can watch. A schedule is called inside
+    a library optimizer's update, so the same check decides whether that update may be
+    skipped (``terra.library_regions``)."""
+    call = getattr(type(obj), method, None)
     code = getattr(call, "__code__", None)
     if code is None:
-        return f"{type(layer).__qualname__}.call is no Python function"
+        return f"{type(obj).__qualname__}.{method} is no Python function"
     if boundary.is_library(code.co_filename):
         pass  # a library's call (a subclass that overrides other methods): watched as it runs
     elif call.__closure__ and code.co_freevars != ("__class__",):
-        return f"{type(layer).__qualname__}.call reads variables of an enclosing function"
+        return f"{type(obj).__qualname__}.{method} reads variables of an enclosing function"
     else:
         found = _store(code)
         if found is not None:
             what, line = found
-            return f"its call {what} ({code.co_filename}:{line})"
-    names = _users_attributes(type(layer))
-    for name, value in vars(layer).items():
+            return f"its {method} {what} ({code.co_filename}:{line})"
+    names = _users_attributes(type(obj))
+    for name, value in vars(obj).items():
         if name in names and not _watchable(value):
             return (f"its attribute {name!r} is a {type(value).__qualname__}, whose contents "
                     "no guard watches")
@@ -142,8 +143,9 @@ def _plain(x):
     lists, tuples and dicts, and sets: tf_keras keeps the names of a call's context
     arguments in one), else None."""
     if isinstance(x, (set, frozenset)):
-        return ("set", frozenset(x)) if all(type(v) in _PLAIN for v in x) else None
-    return _plain_list(x)
+        return ("set", frozenset(x)) if all(type(v) in library_regions._PLAIN for v in x) \
+            else None
+    return library_regions._plain(x)
 
 
 def _store(code):
@@ -214,6 +216,8 @@ class Monitor:
                     self._enter_users(frame, code)
                 elif frame.f_back is not None and _users(frame.f_back.f_code):
                     self._library(frame, code)
+                elif code is _eager_cond():
+                    self._cond(frame)
             elif event == "c_call" and _users(frame.f_code):
                 self._builtin(frame, arg)
         except Exception as err:  # noqa: BLE001 - Terra's own failure: the layer runs its Python
@@ -248,6 +252,22 @@ class Monitor:
         elif module.split(".")[0] not in _LIBRARIES:
             self._seen(caller, f"calls {module}.{code.co_qualname}")
 
+    def _cond(self, frame):
+        """TF's eager ``tf.cond`` reads its predicate's value and runs one branch in Python:
+        called by the user's code on a tensor, that is a Python branch on a value, which no
+        skipped call could take (a Python ``bool`` or number as the predicate is none)."""
+        pred = frame.f_locals.get("pred")
+        if isinstance(pred, (bool, int, float)) or type(pred).__module__ == "numpy":
+            return
+        caller = frame.f_back
+        for _ in range(8):  # through TF's dispatch and deprecation wrappers
+            if caller is None or _users(caller.f_code):
+                break
+            caller = caller.f_back
+        if caller is not None and _users(caller.f_code):
+            self._seen(caller, "branches on a tensor's value (eager tf.cond runs one branch "
+                       "in Python; tf.where keeps both in the graph)")
+
     def _builtin(self, frame, fn):
         if id(fn) in _PURE:
             return
@@ -269,6 +289,17 @@ class Monitor:
         self.why = (what, Location(code.co_filename, frame.f_lineno, code.co_name))
 
 
+_cond_code = []
+
+
+def _eager_cond():
+    """The code of TF's eager ``tf.cond`` (read once, at the first call event)."""
+    if not _cond_code:
+        from tensorflow.python.ops import cond
+        _cond_code.append(getattr(cond, "_eager_cond_implementation", None).__code__)
+    return _cond_code[0]
+
+
 def _own(frame, value) -> bool:
     """Whether ``value`` is bound to one of ``frame``'s local variables and is neither one of
     its module's globals nor an attribute of its ``self``: a list the call made (an alias of
@@ -280,9 +311,10 @@ def _own(frame, value) -> bool:
 
 
 class Guards:
-    """What a user's layer region rests on besides its attributes, read again before each
-    call: the globals its code read, its classes' dicts (their methods), and its plain
-    containers by contents."""
+    """What a user's region (a layer's, or an optimizer update calling the user's schedule)
+    rests on besides its attributes, read again before each call: the globals its code read,
+    its classes' dicts (their methods), and its plain containers by contents. ``layers``:
+    the user's objects whose Python the region holds."""
 
     __slots__ = ("read", "globals", "classes", "containers")
 
@@ -308,7 +340,8 @@ class Guards:
                 return "a method of its class changed"
         for sub, contents in self.containers:
             if _containers(sub) != contents:
-                return f"the contents of an attribute of {sub.name!r} changed"
+                name = getattr(sub, "name", None) or type(sub).__qualname__
+                return f"the contents of an attribute of {name!r} changed"
         return None
 
 
