@@ -296,7 +296,8 @@ def _eager_cond():
     """The code of TF's eager ``tf.cond`` (read once, at the first call event)."""
     if not _cond_code:
         from tensorflow.python.ops import cond
-        _cond_code.append(getattr(cond, "_eager_cond_implementation", None).__code__)
+        found = getattr(cond, "_eager_cond_implementation", None)  # (TF's private name)
+        _cond_code.append(getattr(found, "__code__", None))
     return _cond_code[0]
 
 
