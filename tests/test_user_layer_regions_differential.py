@@ -181,8 +181,15 @@ def test_the_monitor_tells_pure_python_from_side_effects():
     def numpy_call(x):
         return np.mean(x)
 
+    def cond_on_a_tensor(x):  # eager tf.cond reads the predicate: a branch in Python
+        return tf.cond(x[0] > 0, lambda: x, lambda: -x)
+
+    def cond_on_a_bool(x):  # a Python bool: no value read, one branch in every call
+        return tf.cond(True, lambda: x, lambda: -x)
+
     for fn, bad in ((pure, None), (numpy_call, "numpy"), (lambda x: x.numpy(), "value"),
-                    (lambda x: float(x[0]), "value")):
+                    (lambda x: float(x[0]), "value"), (cond_on_a_tensor, "tf.cond"),
+                    (cond_on_a_bool, None)):
         with user_layers.Monitor() as monitor:
             fn(tf.ones((2,)))
         assert (monitor.why is None) == (bad is None), (fn, monitor.why)
