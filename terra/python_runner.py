@@ -41,7 +41,7 @@ from terra.nodes import NodeKind, SlotKind
 from terra.plan import Step, where
 from terra.skips import RegionSkips
 from terra.standins import Entry, StandIns
-from terra.tape_events import TapeEvents
+from terra.tape_events import TapeEvents, result_shape_tables
 from terra.validation import Validation, shape_ok
 from terra.waiting import Waiting
 
@@ -106,6 +106,8 @@ class PythonRunner(TapeEvents, RegionSkips):
         self.seq = 0  # steps matched so far: Step.seq says which producer of a phi ran last
         # whether a gradient region is fed backward values by the iteration's signature
         self.signed = any(s.backward_feeds for s in graph.steps.values())
+        # per gradient step whose results' shapes are learned: signature -> shapes (tape_events)
+        self.result_shapes = result_shape_tables(graph, self.signed)
         self.it = None
         # The runner's state per step of the plan (the plan is only read in co-execution):
         # ``seqs``, when it last passed the step (its running count ``seq``: which producer
@@ -153,7 +155,7 @@ class PythonRunner(TapeEvents, RegionSkips):
     def begin(self, it: Iteration):
         self.it = it
         it.seq0 = self.seq
-        if self.signed:
+        if self.signed or self.result_shapes:
             it.signature = []
         self.cur = self.graph.start
 
@@ -330,6 +332,8 @@ class PythonRunner(TapeEvents, RegionSkips):
             channel = step.out_feed[k]
             if channel is not None:
                 channel.put(t)
+                if it.signature is not None and not self.signed:  # a key of result shapes
+                    it.signature.append(("python", t._shape_tuple()))
         return result
 
     # -- values -------------------------------------------------------------------------

@@ -122,9 +122,13 @@ class RegionSkips:
         inputs = self.checks.inputs(it, step, list(tensors), feed=False)
         skip = self._skip_of(step, path.skippable_layer)
         if skip is not None and skip.dynamic and it.signature is not None:
-            # a gradient region's recorded backward values hold for the row counts its traces
-            # saw (a mask's): those shapes must reach its check, so the call runs op by op
-            skip = None
+            if self.signed:
+                # a gradient region's recorded backward values hold for the row counts its
+                # traces saw (a mask's): those shapes must reach its check, so the call runs
+                # op by op
+                skip = None
+            else:  # the signature misses the row counts: gradient results are fetched
+                it.signature = None
         learned = None
         if skip is not None:
             key = tuple([t._shape_tuple() for t in tensors])
