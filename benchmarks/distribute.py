@@ -32,12 +32,12 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.harness import compare_losses, run_worker
+from benchmarks.report import revision
 from benchmarks.worker import keras_env
 
 MODES = ("eager", "terra", "function")
@@ -290,15 +290,6 @@ def parse_args(argv):
     return args
 
 
-def _revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=30,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
-
-
 def main(argv=None, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -311,7 +302,7 @@ def main(argv=None, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> 
                    repeats=args.repeats, seed=args.seed, timeout=args.timeout, log=log)
     meta = dict(command=" ".join(["python -m benchmarks.distribute", shlex.join(argv)]).strip(),
                 date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                revision=_revision(), python=platform.python_version(), cpus=os.cpu_count(),
+                revision=revision(), python=platform.python_version(), cpus=os.cpu_count(),
                 replicas=args.replicas, modes=args.modes, steps=args.steps,
                 warmup=args.warmup, repeats=args.repeats, seed=args.seed, rtol=args.rtol,
                 atol=args.atol, wall_s=round(time.perf_counter() - started, 1),

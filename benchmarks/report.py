@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from benchmarks.modes import MODES
+
+
+def revision() -> str:
+    """The checkout's short commit, to date a saved run ("?" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30,
+                              cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
 
 
 def _num(value, fmt="{:.2f}", none="-"):

@@ -38,7 +38,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ from benchmarks.corpus import REGISTRY as CORPUS
 from benchmarks.corpus import missing
 from benchmarks.harness import compare_losses, run_worker
 from benchmarks.programs import PAPER
+from benchmarks.report import revision
 from benchmarks.worker import keras_env
 
 SUITES = ("ten", "control_flow", "corpus")
@@ -379,14 +379,6 @@ def parse_args(argv):
     return args
 
 
-def _revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except OSError:
-        return "?"
-
-
 def main(argv=None, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -401,7 +393,7 @@ def main(argv=None, log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> 
     print(text)
     meta = dict(command="python -m benchmarks.startup " + shlex.join(argv),
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
-                revision=_revision(), python=platform.python_version(),
+                revision=revision(), python=platform.python_version(),
                 cpus=os.cpu_count(), steps=args.steps, repeats=args.repeats, seed=args.seed,
                 terra_env={k: v for k, v in os.environ.items() if k.startswith("TERRA_")})
     args.out.mkdir(parents=True, exist_ok=True)
